@@ -1,0 +1,1 @@
+"""rljax: policy-gradient RL for language models as five independent axes."""
