@@ -1,0 +1,435 @@
+"""Flax NNX decoder-only transformer for the Llama / Qwen2 / Qwen3 family, with optional MoE.
+
+RMSNorm, rotary embeddings (default, linear, llama3, yarn), grouped-query
+attention, SwiGLU MLP or a dropless top-k mixture of experts, tied or untied
+embeddings, Qwen2 q/k/v biases and Qwen3 q/k norms. The layout of the weights
+follows Hugging Face's rotate-half RoPE convention, so checkpoints load without
+permutation (GGUF's llama permutation is undone in `loading.py`).
+
+Every parameter carries logical axis names (`vocab`, `embed`, `heads`,
+`kv_heads`, `head_dim`, `mlp`, `experts`) for the mesh rules in
+`rljax.parallel`; nothing here depends on a mesh.
+
+Batches are right-padded `[B, T]` token arrays with explicit positions and a
+mask. Attention is causal over positions (a key is visible to a query when its
+position is not larger), so default positions `arange(T)` give ordinary causal
+attention. With a `KVCache`, tokens are written at their positions and attend
+to every valid cached slot up to their own position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from rljax.models.config import ModelConfig
+
+# A finite "minus infinity": a fully masked row then softmaxes to uniform
+# instead of NaN (padding rows), and its gradient stays finite.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _param(rngs: nnx.Rngs | None, init, shape, axes, dtype) -> nnx.Param:
+    """A parameter with logical axis names; never placed on a mesh here."""
+    value = init(rngs.params() if rngs is not None else jax.random.key(0), shape, dtype)
+    return nnx.Param(value, sharding_names=tuple(axes), eager_sharding=False)
+
+
+_normal = nnx.initializers.normal(0.02)
+_zeros = nnx.initializers.zeros_init()
+_ones = nnx.initializers.ones_init()
+
+
+# ----------------------------------------------------------------------------
+# Rotary embeddings.
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale, for every RoPE variant.
+
+    Follows the Hugging Face definitions (`modeling_rope_utils`): `linear` divides
+    positions by `factor`; `llama3` divides only the low frequencies by `factor`
+    and interpolates the band between; `yarn` blends interpolated and
+    extrapolated frequencies by a linear ramp over dimensions and scales cos/sin
+    by `0.1 ln(factor) + 1`.
+    """
+    dim = config.head_dim
+    base = float(config.rope_theta)
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = config.rope_scaling_dict()
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    attention_factor = 1.0
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        factor = float(scaling["factor"])
+        old_len = float(scaling.get("original_max_position_embeddings") or config.max_seq_len)
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+        extrapolation_weight = 1 - ramp
+        inv_freq = inv_freq / factor * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_cos_sin(config: ModelConfig, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, 1, head_dim] in float32, rotate-half layout."""
+    inv_freq, scale = rope_inv_freq(config)
+    angles_BxTxF = positions_BxT.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]
+    angles_BxTxDh = jnp.concatenate([angles_BxTxF, angles_BxTxF], axis=-1)[:, :, None, :]
+    return jnp.cos(angles_BxTxDh) * scale, jnp.sin(angles_BxTxDh) * scale
+
+
+def apply_rope(x_BxTxHxDh: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x_BxTxHxDh.shape[-1] // 2
+    x = x_BxTxHxDh.astype(jnp.float32)
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x_BxTxHxDh.dtype)
+
+
+# ----------------------------------------------------------------------------
+# KV cache.
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys and values, [B, max_len, n_kv_heads, head_dim] each.
+
+    Slot `s` of row `b` holds the token at position `s`. `lengths_B` is one past
+    the largest position written so far per row; slots at or beyond it are
+    invisible to attention.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths_B: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache for `batch` rows of up to `max_len` positions."""
+    dtype = config.compute_jnp_dtype if dtype is None else dtype
+    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
+                                  lengths_B=jnp.zeros((batch,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------
+# Layers.
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * w, computed in float32 and cast back (as Llama / Qwen do)."""
+
+    def __init__(self, dim: int, eps: float, axis_name: str, dtype, rngs: nnx.Rngs | None):
+        self.eps = eps
+        self.weight = _param(rngs, _ones, (dim,), (axis_name,), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (w * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with optional q/k/v biases and q/k norms."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+        c = config
+        pdt = c.param_jnp_dtype
+        self.config = c
+        self.q = _param(rngs, _normal, (c.d_model, c.n_heads, c.head_dim), ("embed", "heads", "head_dim"), pdt)
+        self.k = _param(rngs, _normal, (c.d_model, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pdt)
+        self.v = _param(rngs, _normal, (c.d_model, c.n_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), pdt)
+        self.o = _param(rngs, _normal, (c.n_heads, c.head_dim, c.d_model), ("heads", "head_dim", "embed"), pdt)
+        if c.qkv_bias:
+            self.q_bias = _param(rngs, _zeros, (c.n_heads, c.head_dim), ("heads", "head_dim"), pdt)
+            self.k_bias = _param(rngs, _zeros, (c.n_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pdt)
+            self.v_bias = _param(rngs, _zeros, (c.n_kv_heads, c.head_dim), ("kv_heads", "head_dim"), pdt)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_eps, "head_dim", pdt, rngs)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_eps, "head_dim", pdt, rngs)
+
+    def _project(self, x, kernel, bias_name):
+        cdt = self.config.compute_jnp_dtype
+        y = jnp.einsum("btd,dhk->bthk", x, kernel[...].astype(cdt))
+        if self.config.qkv_bias:
+            y = y + getattr(self, bias_name)[...].astype(cdt)[None, None]
+        return y
+
+    def __call__(self, x_BxTxD, cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B):
+        c = self.config
+        cdt = c.compute_jnp_dtype
+        q = self._project(x_BxTxD, self.q, "q_bias")
+        k = self._project(x_BxTxD, self.k, "k_bias")
+        v = self._project(x_BxTxD, self.v, "v_bias")
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        B, T = positions_BxT.shape
+        if cache_kv is None:
+            keys, values = k, v
+            key_pos_BxS = positions_BxT
+            key_ok_BxS = attn_mask_BxT
+            new_kv = None
+        else:
+            k_cache, v_cache = cache_kv
+            S = k_cache.shape[1]
+            # Padding tokens are not written (index S is dropped), so a pad whose
+            # position collides with a real token cannot overwrite it.
+            write_BxT = jnp.where(attn_mask_BxT, positions_BxT, S)
+            rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+            keys = k_cache.at[rows_BxT, write_BxT].set(k.astype(k_cache.dtype), mode="drop")
+            values = v_cache.at[rows_BxT, write_BxT].set(v.astype(v_cache.dtype), mode="drop")
+            new_kv = (keys, values)
+            keys, values = keys.astype(cdt), values.astype(cdt)
+            key_pos_BxS = jnp.broadcast_to(jnp.arange(S)[None, :], (B, S))
+            key_ok_BxS = key_pos_BxS < lengths_B[:, None]
+
+        # [B, T, KV, G, Dh]: each kv head serves G = H / KV query heads.
+        groups = c.n_heads // c.n_kv_heads
+        q = q.reshape(B, T, c.n_kv_heads, groups, c.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
+        scores = scores / np.float32(math.sqrt(c.head_dim))
+        visible_BxTxS = (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]) & key_ok_BxS[:, None, :]
+        scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, c.n_heads, c.head_dim)
+        return jnp.einsum("bthd,hde->bte", out, self.o[...].astype(cdt)), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+        c, pdt = config, config.param_jnp_dtype
+        self.config = c
+        self.gate = _param(rngs, _normal, (c.d_model, c.mlp_dim), ("embed", "mlp"), pdt)
+        self.up = _param(rngs, _normal, (c.d_model, c.mlp_dim), ("embed", "mlp"), pdt)
+        self.down = _param(rngs, _normal, (c.mlp_dim, c.d_model), ("mlp", "embed"), pdt)
+
+    def __call__(self, x_BxTxD):
+        cdt = self.config.compute_jnp_dtype
+        h = jax.nn.silu(x_BxTxD @ self.gate[...].astype(cdt)) * (x_BxTxD @ self.up[...].astype(cdt))
+        return h @ self.down[...].astype(cdt)
+
+
+class MoE(nnx.Module):
+    """Dropless top-k mixture of SwiGLU experts.
+
+    gates = softmax(router(x)) restricted to the top-k experts and renormalised
+    to sum to one (Mixtral; Qwen3-MoE with norm_topk_prob). Every token reaches
+    its k experts (no capacity, no dropping): assignments are sorted by expert
+    and run as grouped matmuls (`jax.lax.ragged_dot`).
+
+    With `replay_BxTxK`, those experts are used instead of the router's top-k
+    (rollout routing replay); the gates are still the current router's
+    probabilities of the replayed experts, renormalised, so the router trains.
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+        c, pdt = config, config.param_jnp_dtype
+        E, F = c.n_experts, c.expert_mlp_dim
+        self.config = c
+        self.router = _param(rngs, _normal, (c.d_model, E), ("embed", "experts"), pdt)
+        self.gate = _param(rngs, _normal, (E, c.d_model, F), ("experts", "embed", "mlp"), pdt)
+        self.up = _param(rngs, _normal, (E, c.d_model, F), ("experts", "embed", "mlp"), pdt)
+        self.down = _param(rngs, _normal, (E, F, c.d_model), ("experts", "mlp", "embed"), pdt)
+
+    def __call__(self, x_BxTxD, replay_BxTxK=None):
+        c = self.config
+        cdt = c.compute_jnp_dtype
+        B, T, D = x_BxTxD.shape
+        K, E = c.experts_per_token, c.n_experts
+        # Routing in float32: near-ties decide discrete choices.
+        router_logits = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        probs_BxTxE = jax.nn.softmax(router_logits, axis=-1)
+        if replay_BxTxK is None:
+            _, experts_BxTxK = jax.lax.top_k(probs_BxTxE, K)
+            experts_BxTxK = experts_BxTxK.astype(jnp.int32)
+        else:
+            experts_BxTxK = replay_BxTxK.astype(jnp.int32)
+        gates_BxTxK = jnp.take_along_axis(probs_BxTxE, experts_BxTxK, axis=-1)
+        gates_BxTxK = gates_BxTxK / jnp.sum(gates_BxTxK, axis=-1, keepdims=True)
+
+        experts_A = experts_BxTxK.reshape(-1)  # A = B*T*K assignments
+        order_A = jnp.argsort(experts_A, stable=True)
+        tokens_NxD = x_BxTxD.reshape(B * T, D)
+        xs_AxD = tokens_NxD[order_A // K]
+        group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
+        gate_h = jax.lax.ragged_dot(xs_AxD, self.gate[...].astype(cdt), group_sizes_E)
+        up_h = jax.lax.ragged_dot(xs_AxD, self.up[...].astype(cdt), group_sizes_E)
+        ys_AxD = jax.lax.ragged_dot(jax.nn.silu(gate_h) * up_h, self.down[...].astype(cdt), group_sizes_E)
+        ys_AxD = jnp.zeros_like(ys_AxD).at[order_A].set(ys_AxD)  # back to token-major order
+        ys_BxTxKxD = ys_AxD.reshape(B, T, K, D)
+        out = jnp.sum(ys_BxTxKxD * gates_BxTxK.astype(cdt)[..., None], axis=2)
+        return out, experts_BxTxK
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+        pdt = config.param_jnp_dtype
+        self.attn_norm = RMSNorm(config.d_model, config.rms_eps, "embed", pdt, rngs)
+        self.attn = Attention(config, rngs)
+        self.mlp_norm = RMSNorm(config.d_model, config.rms_eps, "embed", pdt, rngs)
+        self.mlp = MoE(config, rngs) if config.is_moe else MLP(config, rngs)
+
+    def __call__(self, x, cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B, replay_BxTxK):
+        h, new_kv = self.attn(self.attn_norm(x), cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B)
+        x = x + h
+        if isinstance(self.mlp, MoE):
+            h, experts_BxTxK = self.mlp(self.mlp_norm(x), replay_BxTxK)
+        else:
+            h, experts_BxTxK = self.mlp(self.mlp_norm(x)), None
+        return x + h, new_kv, experts_BxTxK
+
+
+def _block_call(block, *args):
+    return block(*args)
+
+
+def _remat_policy(name: str):
+    return {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}[name]
+
+
+# ----------------------------------------------------------------------------
+# The decoder.
+
+
+class DecoderOutput(NamedTuple):
+    """logits: float32 [B, T, V] or None (return_hidden); hidden: final normed
+    [B, T, D] in the compute dtype; cache: the updated KVCache or None; routing:
+    int32 [B, T, L, K] chosen experts or None for a dense model."""
+
+    logits: jax.Array | None
+    hidden: jax.Array
+    cache: KVCache | None
+    routing: jax.Array | None
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer. `Decoder(config, rngs=nnx.Rngs(0))`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None):
+        self.config = config
+        pdt = config.param_jnp_dtype
+        self.embed = _param(rngs, _normal, (config.vocab_size, config.d_model), ("vocab", "embed"), pdt)
+        self.layers = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
+        self.final_norm = RMSNorm(config.d_model, config.rms_eps, "embed", pdt, rngs)
+        if not config.tie_embeddings:
+            # Stored [V, D] like the embedding, so unembed_weight() has one layout.
+            self.lm_head = _param(rngs, _normal, (config.vocab_size, config.d_model), ("vocab", "embed"), pdt)
+
+    def unembed_weight(self) -> jax.Array:
+        """The unembedding matrix [V, D]: logits = hidden @ W.T."""
+        return self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
+
+    def __call__(
+            self,
+            tokens_BxT: jax.Array,
+            positions_BxT: jax.Array | None = None,
+            *,
+            attn_mask_BxT: jax.Array | None = None,
+            cache: KVCache | None = None,
+            routing_BxTxLxK: jax.Array | None = None,
+            return_hidden: bool = False,
+    ) -> DecoderOutput:
+        """Forward pass over a right-padded batch.
+
+        Args:
+            tokens_BxT: int token ids.
+            positions_BxT: position of each token; default `arange(T)` per row.
+            attn_mask_BxT: True on real tokens; padding keys are never attended to
+                and, with a cache, padding tokens are not written.
+            cache: a KVCache to write into and attend over (prefill with T > 1, then
+                decode with T = 1 at positions == cache.lengths_B).
+            routing_BxTxLxK: MoE experts to replay instead of the router's choice.
+            return_hidden: skip the unembedding (logits=None); for chunked log-probs.
+        """
+        c = self.config
+        chex.assert_rank(tokens_BxT, 2)
+        B, T = tokens_BxT.shape
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
+        if attn_mask_BxT is None:
+            attn_mask_BxT = jnp.ones((B, T), bool)
+        chex.assert_shape([positions_BxT, attn_mask_BxT], (B, T))
+        attn_mask_BxT = attn_mask_BxT.astype(bool)
+        if routing_BxTxLxK is not None:
+            if not c.is_moe:
+                raise ValueError("routing_BxTxLxK was given but the model has no experts (n_experts=0)")
+            chex.assert_shape(routing_BxTxLxK, (B, T, c.n_layers, c.experts_per_token))
+
+        cdt = c.compute_jnp_dtype
+        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cdt)
+        cos, sin = rope_cos_sin(c, positions_BxT)
+
+        lengths_B = None
+        if cache is not None:
+            written_B = jnp.max(jnp.where(attn_mask_BxT, positions_BxT + 1, 0), axis=1)
+            lengths_B = jnp.maximum(cache.lengths_B, written_B).astype(jnp.int32)
+
+        call = _block_call
+        if c.remat != "none":
+            call = nnx.remat(_block_call, policy=_remat_policy(c.remat), prevent_cse=True)
+
+        new_k, new_v, routing = [], [], []
+        for i, block in enumerate(self.layers):
+            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+            replay = None if routing_BxTxLxK is None else routing_BxTxLxK[:, :, i, :]
+            x, kv, experts = call(block, x, cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B, replay)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+            routing.append(experts)
+
+        hidden_BxTxD = self.final_norm(x)
+        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), lengths_B=lengths_B)
+        routing_BxTxLxK_out = jnp.stack(routing, axis=2) if c.is_moe else None
+        logits = None
+        if not return_hidden:
+            logits = jnp.einsum("btd,vd->btv", hidden_BxTxD, self.unembed_weight().astype(cdt),
+                                                    preferred_element_type=jnp.float32)
+        return DecoderOutput(logits=logits, hidden=hidden_BxTxD, cache=new_cache, routing=routing_BxTxLxK_out)
