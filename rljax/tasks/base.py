@@ -18,7 +18,10 @@ training:
       deterministic) until it lands on a train-side prompt; the eval stream keeps
       only eval-side prompts. Since the partition ignores the seed, no training
       run with *any* seed sees an eval prompt of any seed, and the guarantee holds
-      for every ``n`` without storing an exclusion set.
+      for every ``n`` without storing an exclusion set. The eval side for a
+   fraction ``f`` contains the eval side for any smaller fraction, so
+   evaluating with an ``eval_fraction`` no larger than the training run's
+   stays held out; a larger one would not.
 """
 
 from __future__ import annotations

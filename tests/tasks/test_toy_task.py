@@ -1,5 +1,6 @@
 """The toy copy/reverse tasks and the character tokenizer."""
 
+import numpy as np
 import pytest
 
 from rljax import tasks
@@ -79,7 +80,6 @@ def test_chat_template_concatenates_contents():
 def test_random_policy_gets_dense_signal():
     # A uniform policy over the 5 letters gets about 1/5 of positions right
     # (less for wrong lengths), so rewards vary within a group from step one.
-    import numpy as np
     rng = np.random.default_rng(0)
     task = tasks.get_task("toy_copy", seed=0)
     rewards = []
