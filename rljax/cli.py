@@ -60,8 +60,11 @@ def load_config(argv: list[str], default: str | None = None):
         raise ValueError("--config PATH is required")
     _check_override_keys(argv, path)
     fv = flags.FlagValues()
+    # sys_argv: config_flags registers the override flags from the argv it
+    # is told about (sys.argv by default), not from the one being parsed.
     config_flags.DEFINE_config_file("config", default, "config file",
-                                    flag_values=fv, lock_config=True)
+                                    flag_values=fv, lock_config=True,
+                                    sys_argv=argv)
     rest = fv(argv, known_only=True)
     config = fv.config
     recipes.validate(config)
