@@ -12,6 +12,7 @@ USAGE = """usage: rljax <command> [flags]
 commands:
   recipes                  print every recipe's five axes (from the registry)
   config --config PATH     print the resolved, validated config
+  serve [--config PATH] [--port N]   serve the sampler over HTTP
 """
 
 
@@ -83,10 +84,21 @@ def _cmd_config(argv):
     print(config)
 
 
+# Commands that live elsewhere are named "module:function" and imported only
+# when run, so `rljax recipes` never pays for the model or the server.
 COMMANDS = {
     "recipes": _cmd_recipes,
     "config": _cmd_config,
+    "serve": "rljax.sampling.server:cli_main",
 }
+
+
+def _resolve(entry):
+    if callable(entry):
+        return entry
+    import importlib
+    module, _, fn = entry.partition(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        COMMANDS[cmd]([argv[0]] + argv[2:])
+        _resolve(COMMANDS[cmd])([argv[0]] + argv[2:])
     except ValueError as e:
         print(f"rljax {cmd}: {e}", file=sys.stderr)
         return 2
