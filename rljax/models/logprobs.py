@@ -24,12 +24,15 @@ DEFAULT_CHUNK_SIZE = 256
 def _chunk_stats(h_CxD, unembed_VxD, targets_C, temperature, return_entropy):
     logits_CxV = jnp.einsum("cd,vd->cv", h_CxD, unembed_VxD, preferred_element_type=jnp.float32)
     logits_CxV = logits_CxV / temperature
+    # Shift by the (constant) max first: the entropy's lse - E[z] then cancels
+    # between small numbers instead of large ones.
+    logits_CxV = logits_CxV - jax.lax.stop_gradient(jnp.max(logits_CxV, axis=-1, keepdims=True))
     lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
     logp_C = jnp.take_along_axis(logits_CxV, targets_C[:, None], axis=-1)[:, 0] - lse_C
     if not return_entropy:
         return logp_C, None
     probs_CxV = jnp.exp(logits_CxV - lse_C[:, None])
-    return logp_C, lse_C - jnp.sum(probs_CxV * logits_CxV, axis=-1)
+    return logp_C, jnp.sum(probs_CxV * (lse_C[:, None] - logits_CxV), axis=-1)
 
 
 def token_logprobs(

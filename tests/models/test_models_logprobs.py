@@ -63,8 +63,9 @@ def test_chunked_equals_full_gradients(chunk_size):
 def test_sequence_logprobs_alignment():
     model = Decoder(get_preset("tiny"), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 256)
-    logp, ent = sequence_logprobs(model, tokens, temperature=1.3, chunk_size=5, return_entropy=True)
-    log_softmax = jax.nn.log_softmax(model(tokens).logits / 1.3, axis=-1)
+    seq = functools.partial(sequence_logprobs, temperature=1.3, chunk_size=5, return_entropy=True)
+    logp, ent = nnx.jit(seq)(model, tokens)
+    log_softmax = jax.nn.log_softmax(nnx.jit(lambda m, t: m(t).logits)(model, tokens) / 1.3, axis=-1)
     # logp[b, t] = log p(tokens[b, t] | tokens[b, :t]) comes from position t - 1; position 0 is 0.
     expected = jnp.take_along_axis(log_softmax[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(logp[:, 1:], expected, atol=1e-5)
