@@ -1,15 +1,15 @@
-"""The common base of every run config: a recipe's five axes (rljax.recipes).
+"""The common base of every run config: a recipe's five axes plus the trainer.
 
-Load any recipe with `--config configs/base.py:<recipe>`, or use the
-per-recipe files (`--config configs/dapo.py`). Override fields from the
-command line: `--config.loss.eps_high=0.3`. The config is locked: an unknown
-key fails, and `rljax.recipes.validate` rejects impossible combinations after
-the overrides are applied.
+Run: rljax train --config configs/base.py:<recipe> [--config.FIELD=VALUE ...]
+The per-recipe files (`configs/dapo.py`, ...) call this with their name. The
+config is locked: an unknown key fails, and validation rejects impossible
+combinations after the command-line overrides are applied. Every field is
+documented in rljax/train/config.py and rljax/recipes.py.
 """
 
-from rljax import recipes
+from rljax.train import config as config_lib
 
 
 def get_config(recipe: str | None = None):
-    """Locked config of `recipe` (default grpo)."""
-    return recipes.get(recipe or "grpo")
+    """Locked config of `recipe` (default grpo) with the trainer's defaults."""
+    return config_lib.get_config(recipe or "grpo")

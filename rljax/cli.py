@@ -12,6 +12,10 @@ USAGE = """usage: rljax <command> [flags]
 commands:
   recipes                  print every recipe's five axes (from the registry)
   config --config PATH     print the resolved, validated config
+  train [--config PATH] [--workdir DIR] [--config.FIELD=VALUE ...]
+                           train (resumes when DIR holds a run)
+  eval [--config PATH] --workdir RUN   held-out accuracy of RUN's latest checkpoint
+  plot RUN_DIR [--out PNG] reward, length, KL, clip and mismatch curves
   serve [--config PATH] [--port N]   serve the sampler over HTTP
 """
 
@@ -46,29 +50,41 @@ def _check_override_keys(argv: list[str], path: str) -> None:
         recipes.check_key(config, key)
 
 
-def load_config(argv: list[str], default: str | None = None):
+def load_config(argv: list[str], default=None):
     """Parses `--config PATH [--config.FIELD=VALUE ...]`; returns the config.
 
-    Other flags are returned untouched as the second value, for the command.
+    `default` is a config file path or a ConfigDict used when no `--config`
+    is given. Other flags are returned untouched as the second value.
     """
     from absl import flags
     from ml_collections import config_flags
 
     from rljax import recipes
 
-    path = _config_path(argv, default)
-    if path is None:
-        raise ValueError("--config PATH is required")
-    _check_override_keys(argv, path)
+    path = _config_path(argv, None if not isinstance(default, str) else default)
     fv = flags.FlagValues()
-    # sys_argv: config_flags registers the override flags from the argv it
-    # is told about (sys.argv by default), not from the one being parsed.
-    config_flags.DEFINE_config_file("config", default, "config file",
-                                    flag_values=fv, lock_config=True,
-                                    sys_argv=argv)
+    if path is None:
+        if default is None:
+            raise ValueError("--config PATH is required")
+        for arg in argv:
+            if arg.startswith("--config."):
+                recipes.check_key(default, arg[len("--config."):].split("=", 1)[0])
+        config_flags.DEFINE_config_dict("config", default, "config", flag_values=fv,
+                                        lock_config=True, sys_argv=argv)
+    else:
+        _check_override_keys(argv, path)
+        # sys_argv: config_flags registers the override flags from the argv it
+        # is told about (sys.argv by default), not from the one being parsed.
+        config_flags.DEFINE_config_file("config", path, "config file",
+                                        flag_values=fv, lock_config=True,
+                                        sys_argv=argv)
     rest = fv(argv, known_only=True)
     config = fv.config
-    recipes.validate(config)
+    if "optim" in config:
+        from rljax.train import config as config_lib
+        config_lib.validate(config)
+    else:
+        recipes.validate(config)
     return config, rest
 
 
@@ -77,11 +93,74 @@ def _cmd_recipes(argv):
     print(recipes.table())
 
 
+def _default_config():
+    from rljax.train import config as config_lib
+    return config_lib.get_config("grpo")
+
+
 def _cmd_config(argv):
-    import pathlib
-    base = str(pathlib.Path.cwd() / "configs" / "base.py")
-    config, _ = load_config(argv, default=base)
+    config, _ = load_config(argv, default=_default_config())
     print(config)
+
+
+def _flag(rest: list[str], name: str, default=None):
+    """Removes `--name VALUE` / `--name=VALUE` from `rest`; returns VALUE."""
+    value = default
+    out = []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == f"--{name}" and i + 1 < len(rest):
+            value = rest[i + 1]
+            i += 2
+            continue
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+            i += 1
+            continue
+        out.append(arg)
+        i += 1
+    rest[:] = out
+    return value
+
+
+def _quiet_logs():
+    import logging
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_train(argv):
+    import json
+    import time
+    from rljax.train import loop
+    config, rest = load_config(argv, default=_default_config())
+    workdir = _flag(rest, "workdir") or f"runs/{config.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    _quiet_logs()
+    summary = loop.train(config, workdir)
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {workdir}")
+
+
+def _cmd_eval(argv):
+    import json
+    from rljax.train import loop
+    config, rest = load_config(argv, default=_default_config())
+    workdir = _flag(rest, "workdir")
+    if not workdir:
+        raise ValueError("rljax eval needs --workdir RUN (a run directory)")
+    _quiet_logs()
+    print(json.dumps(loop.evaluate_run(config, workdir), indent=2))
+
+
+def _cmd_plot(argv):
+    from rljax.train import plot
+    if len(argv) < 2:
+        raise ValueError("usage: rljax plot RUN_DIR [--out PNG]")
+    rest = argv[2:]
+    out = _flag(rest, "out")
+    print(plot.plot_run(argv[1], out))
 
 
 # Commands that live elsewhere are named "module:function" and imported only
@@ -89,6 +168,9 @@ def _cmd_config(argv):
 COMMANDS = {
     "recipes": _cmd_recipes,
     "config": _cmd_config,
+    "train": _cmd_train,
+    "eval": _cmd_eval,
+    "plot": _cmd_plot,
     "serve": "rljax.sampling.server:cli_main",
 }
 

@@ -31,12 +31,14 @@ class RLStreams(NamedTuple):
 
     returns_BxT: GAE value targets (None for outcome estimators).
     metrics: advantage statistics and group counts.
+    mask_BxT: the loss mask after skipping rows with non-finite rewards.
     """
 
     advantages_BxT: jax.Array
     coef_BxT: jax.Array
     returns_BxT: Optional[jax.Array]
     metrics: dict
+    mask_BxT: jax.Array
 
 
 def _trust_region_params(config) -> dict:
@@ -128,7 +130,7 @@ def rl_streams(
     count = jnp.maximum(jnp.sum(mask), 1.0)
     metrics["adv_mean"] = jnp.sum(adv_BxT * mask) / count
     metrics["adv_abs_mean"] = jnp.sum(jnp.abs(adv_BxT) * mask) / count
-    return RLStreams(adv_BxT, coef, returns, metrics)
+    return RLStreams(adv_BxT, coef, returns, metrics, mask)
 
 
 def policy_loss(config, logp_BxT: jax.Array, batch: TrainBatch):

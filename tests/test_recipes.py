@@ -12,6 +12,7 @@ from ml_collections import config_flags
 import rljax
 from rljax import cli
 from rljax import recipes
+from rljax.train import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -115,7 +116,7 @@ def test_config_files_load_with_config_flags(name):
     assert isinstance(fv.config, ml_collections.ConfigDict)
     assert fv.config.recipe == name
     assert fv.config.loss.eps_high == 0.3
-    ref = recipes.get(name).to_dict()
+    ref = config_lib.get_config(name).to_dict()
     got = fv.config.to_dict()
     assert got.pop("loss")["eps_high"] == 0.3
     ref.pop("loss")

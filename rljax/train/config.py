@@ -1,0 +1,97 @@
+"""The run config: a recipe's five axes plus the trainer's sections.
+
+Every field is commented here, once; configs/*.py only set values. The result
+is locked (an unknown key fails) and validated.
+"""
+
+import ml_collections
+
+from rljax import recipes
+
+
+def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Adds model, optimizer, rollout, task, sampler and loop sections to `c`."""
+    with c.unlocked():
+        c.seed = 0                 # seeds init, data order, sampling
+        c.steps = 40               # optimizer-step batches (rollout rounds)
+
+        c.model = ml_collections.ConfigDict()
+        c.model.source = "smollm2-135m-instruct"  # GGUF / HF dir / preset name (random init)
+        c.model.param_dtype = "float32"
+        c.model.compute_dtype = "float32"        # bfloat16 on accelerators
+        c.model.remat = "none"                   # none | full | dots_saveable
+        c.model.chunk_size = 256                 # log-prob chunk over the sequence
+
+        c.optim = ml_collections.ConfigDict()
+        c.optim.lr = 1e-6
+        c.optim.schedule = "constant"   # constant | cosine (decays to lr * min_ratio)
+        c.optim.warmup_steps = 0
+        c.optim.min_ratio = 0.1
+        c.optim.b1 = 0.9
+        c.optim.b2 = 0.999
+        c.optim.weight_decay = 0.0      # decoupled; only on matrices (not norms, biases)
+        c.optim.grad_clip = 1.0         # global-norm clip; 0 turns it off
+
+        c.rollout = ml_collections.ConfigDict()
+        c.rollout.prompts_per_step = 8      # G groups per step; B = G * group_size
+        c.rollout.temperature = 1.0         # sampling and trainer log-probs use it
+        c.rollout.top_p = 1.0
+        c.rollout.top_k = 0                 # 0: off
+        c.rollout.max_prompt_tokens = 128   # longer prompts are skipped (counted)
+        c.rollout.length_bucket = 32        # rows pad to a multiple of this
+
+        c.task = ml_collections.ConfigDict()
+        c.task.name = "arithmetic"          # see rljax.tasks.task_names()
+        c.task.args = ml_collections.ConfigDict()  # the task's own fields
+        c.task.reward_fn = ""               # "module:function" replaces the reward
+        c.task.eval_size = 64               # held-out prompts, greedy decoding
+
+        c.sampler = ml_collections.ConfigDict()
+        c.sampler.kind = "inprocess"        # inprocess | remote
+        c.sampler.url = ""                  # remote: base URL of `rljax serve`
+        c.sampler.ahead = 0                 # async: batches generated ahead (0: sync)
+
+        c.train = ml_collections.ConfigDict()
+        c.train.micro_batches = 1           # gradient accumulation per step
+        c.train.max_consecutive_skips = 3   # non-finite steps in a row before stopping
+        c.train.checkpoint_every = 10
+        c.train.keep_checkpoints = 2
+        c.train.eval_every = 0              # 0: only before and after
+    return c
+
+
+def get_config(recipe: str = "grpo", **overrides) -> ml_collections.ConfigDict:
+    """The locked, validated run config of `recipe`, with `overrides`."""
+    c = add_trainer_fields(recipes.get(recipe))
+    recipes.apply_overrides(c, **overrides)
+    return validate(c)
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """recipes.validate plus the trainer's own combinations."""
+    recipes.validate(c)
+    from rljax._checks import check_choice
+    if "optim" not in c:
+        return c
+    check_choice("optim.schedule", c.optim.schedule, ("constant", "cosine"))
+    check_choice("sampler.kind", c.sampler.kind, ("inprocess", "remote"))
+    check_choice("model.remat", c.model.remat, ("none", "full", "dots_saveable"))
+    if c.sampler.kind == "remote" and not c.sampler.url:
+        raise ValueError("sampler.kind='remote' needs sampler.url")
+    if c.steps < 1:
+        raise ValueError(f"steps={c.steps} must be >= 1")
+    if c.optim.lr <= 0:
+        raise ValueError(f"optim.lr={c.optim.lr} must be > 0")
+    b = c.rollout.prompts_per_step * c.group_size
+    mb = c.offpolicy.minibatches
+    if c.rollout.prompts_per_step % mb:
+        raise ValueError(
+            f"offpolicy.minibatches={mb} must divide rollout.prompts_per_step="
+            f"{c.rollout.prompts_per_step} (minibatches hold whole groups)")
+    if (b // mb) % c.train.micro_batches:
+        raise ValueError(f"train.micro_batches={c.train.micro_batches} must divide "
+                         f"the minibatch of {b // mb} rows")
+    if c.rollout.temperature <= 0:
+        raise ValueError("rollout.temperature must be > 0 for training (the "
+                         "behavior log-probs need a distribution)")
+    return c

@@ -1,0 +1,425 @@
+"""The thin loop: sample -> score -> advantages -> train -> sync weights.
+
+Everything numeric lives in pure functions (rljax.objective, the axes, the
+jitted step in rljax.train.step); this file only threads state and data
+between them, writes metrics and checkpoints, and keeps the run resumable:
+a run killed at any point resumes from its last checkpoint and, in
+synchronous mode, continues the same trajectory (sampling seeds derive from
+the step, the data position and RNG are checkpointed).
+"""
+
+import dataclasses
+import logging
+import pathlib
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rljax import normalizers
+from rljax import objective
+from rljax import offpolicy
+from rljax import shaping
+from rljax.batch import TrainBatch
+from rljax.train import checkpoint as ckpt_lib
+from rljax.train import metrics as metrics_lib
+from rljax.train import rollout as rollout_lib
+from rljax.train import step as step_lib
+
+log = logging.getLogger("rljax.train")
+
+
+def build_task(config):
+    from rljax import tasks
+    kwargs = dict(config.task.args.to_dict())
+    if config.task.reward_fn:
+        kwargs["reward_fn"] = config.task.reward_fn
+    return tasks.get_task(config.task.name, seed=config.seed, **kwargs)
+
+
+def build_policy(config, task):
+    """(model, tokenizer): pretrained weights, or a preset initialised from the seed.
+
+    A preset (e.g. `tiny`) trains from scratch with the task's own character
+    tokenizer (toy tasks ship one), sized to its vocabulary.
+    """
+    from rljax.models import config as model_config
+    from rljax.models import loading
+    from rljax.models import transformer
+    m = config.model
+    dtypes = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+    if m.source in model_config.preset_names():
+        if not hasattr(task, "tokenizer"):
+            raise ValueError(f"model.source={m.source!r} is a random-init preset; it needs a "
+                             f"task with its own tokenizer (toy tasks), not {config.task.name!r}")
+        tok = task.tokenizer()
+        cfg = model_config.get_preset(m.source, vocab_size=tok.vocab_size, **dtypes)
+        return transformer.Decoder(cfg, rngs=nnx.Rngs(config.seed)), tok
+    return loading.load_pretrained(m.source, param_dtype=m.param_dtype,
+                                   compute_dtype=m.compute_dtype, remat=m.remat)
+
+
+def build_sampler(config, model):
+    from rljax import sampling
+    if config.sampler.kind == "remote":
+        return sampling.RemoteSampler(config.sampler.url)
+    return sampling.InProcessSampler(model)
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One step's sampled groups, scored, with the data position after them."""
+
+    arrays: rollout_lib.RolloutArrays
+    rewards: np.ndarray        # float32 [B]
+    active: np.ndarray         # bool [B]: False for filler groups (dynamic sampling)
+    data_pos: int
+    texts: list
+    stats: dict
+
+
+class Trainer:
+    """Holds the run's objects; `run()` trains `config.steps` steps."""
+
+    def __init__(self, config, workdir, *, sampler=None):
+        self.config = config
+        self.workdir = pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.is_main = jax.process_index() == 0
+        (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        self.task = build_task(config)
+        model, self.tokenizer = build_policy(config, self.task)
+        self.graphdef, params = nnx.split(model)
+        self.optimizer = step_lib.make_optimizer(config.optim, config.steps)
+        self.state = step_lib.init_state(params, self.optimizer, config.seed)
+        # The reference policy is the initial one, frozen.
+        self.ref_params = jax.tree.map(jnp.copy, params) if self._needs_ref() else None
+        self.sampler = sampler if sampler is not None else build_sampler(config, model)
+        self.train_step = step_lib.make_train_step(
+            config, self.graphdef, self.optimizer,
+            micro_batches=config.train.micro_batches, chunk_size=config.model.chunk_size)
+        self.logprob_fn = step_lib.make_logprob_fn(
+            self.graphdef, temperature=config.rollout.temperature,
+            chunk_size=config.model.chunk_size)
+        self.stop_ids = tuple(i for i in [self.tokenizer.eos_token_id] if i is not None)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id or 0
+        self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints",
+                                                  keep=config.train.keep_checkpoints)
+        self.data_pos = 0
+        self.version = 0
+        self.consecutive_skips = 0
+        self.total_skips = 0
+        self.start_step = 0
+        self._restore()
+        self.writer = metrics_lib.MetricsWriter(
+            self.workdir, enabled=self.is_main,
+            resume_step=self.start_step if self.start_step else -1)
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- setup
+
+    def _needs_ref(self) -> bool:
+        return self.config.kl.placement != "none"
+
+    def _restore(self):
+        got = self.checkpointer.restore(ckpt_lib.abstract(self.state))
+        if got is None:
+            return
+        step, self.state, meta = got
+        self.start_step = step
+        self.data_pos = int(meta["data_pos"])
+        self.version = int(meta["version"])
+        self.consecutive_skips = int(meta.get("consecutive_skips", 0))
+        self.total_skips = int(meta.get("total_skips", 0))
+        self.sampler.update_weights(self.state.params, self.version)
+        log.info("resumed from step %d (data position %d)", step, self.data_pos)
+
+    def _save(self, step: int, wait: bool = False):
+        meta = {"data_pos": self.data_pos, "version": self.version,
+                "consecutive_skips": self.consecutive_skips,
+                "total_skips": self.total_skips, "step": step}
+        self.checkpointer.save(step, self.state, meta, wait=wait)
+
+    # ------------------------------------------------------------- sampling
+
+    def render(self, example) -> list[int]:
+        text = self.tokenizer.apply_chat_template(self.task.messages(example),
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _sampling_params(self, seed: int, n: int):
+        from rljax.sampling import SamplingParams
+        r = self.config.rollout
+        return SamplingParams(max_new_tokens=self.config.max_tokens, temperature=r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, stop_token_ids=self.stop_ids,
+                              n=n, seed=seed)
+
+    def collect(self, data_pos: int, seed: int) -> Rollout:
+        """Samples and scores `prompts_per_step` groups (DAPO: informative ones)."""
+        c = self.config
+        g_target, n = c.rollout.prompts_per_step, c.group_size
+        kept, filler = [], []
+        stats = {"skipped_prompts": 0, "filtered_groups": 0, "sampling_rounds": 0}
+        t0 = time.perf_counter()
+        score_s = 0.0
+        while True:
+            stats["sampling_rounds"] += 1
+            examples, prompts = [], []
+            while len(examples) < g_target:
+                ex = self.task.train_example(data_pos)
+                data_pos += 1
+                ids = self.render(ex)
+                if len(ids) > c.rollout.max_prompt_tokens:
+                    stats["skipped_prompts"] += 1
+                    continue
+                examples.append(ex)
+                prompts.append(ids)
+            with self._lock:
+                comps = self.sampler.generate(
+                    prompts, self._sampling_params(seed * 1009 + stats["sampling_rounds"], n))
+            ts = time.perf_counter()
+            for gi, ex in enumerate(examples):
+                group = comps[gi * n:(gi + 1) * n]
+                texts = [self._decode(cc.completion_ids) for cc in group]
+                rewards = np.array([self.task.reward(t, ex) for t in texts], np.float32)
+                if c.dapo.overlong:
+                    lens = np.array([len(cc.completion_ids) for cc in group])
+                    rewards = rewards + np.asarray(shaping.overlong_penalty(
+                        lens, max_tokens=c.max_tokens, buffer=c.dapo.overlong_buffer,
+                        factor=c.dapo.overlong_factor))
+                item = (group, rewards, texts)
+                informative = bool(np.all(np.isfinite(rewards)) and np.ptp(rewards) > 0)
+                if c.dapo.dynamic_sampling and not informative:
+                    stats["filtered_groups"] += 1
+                    filler.append(item)
+                else:
+                    kept.append(item)
+            score_s += time.perf_counter() - ts
+            if (not c.dapo.dynamic_sampling or len(kept) >= g_target
+                    or stats["sampling_rounds"] >= c.dapo.max_sampling_rounds):
+                break
+        kept = kept[:g_target]
+        stats["dynamic_sampling_shortfall"] = g_target - len(kept)
+        active = [True] * len(kept) + [False] * (g_target - len(kept))
+        kept = kept + filler[:g_target - len(kept)]
+        comps = [cc for group, _, _ in kept for cc in group]
+        rewards = np.concatenate([r for _, r, _ in kept])
+        texts = [t for _, _, ts_ in kept for t in ts_]
+        arrays = rollout_lib.assemble(comps, bucket=c.rollout.length_bucket, pad_id=self.pad_id)
+        stats["time_sample"] = time.perf_counter() - t0 - score_s
+        stats["time_score"] = score_s
+        return Rollout(arrays=arrays, rewards=rewards, active=np.repeat(active, n),
+                       data_pos=data_pos, texts=texts, stats=stats)
+
+    # ------------------------------------------------------------- training
+
+    def _streams(self, ro: Rollout, step: int):
+        c = self.config
+        a = ro.arrays
+        mask = a.loss_mask * ro.active[:, None]
+        keep = offpolicy.staleness_keep(a.version, self.version, c.offpolicy.max_staleness)
+        keep = keep & offpolicy.truncation_keep(a.truncated, c.offpolicy.mask_truncated)
+        mask, dropped = offpolicy.apply_row_filter(jnp.asarray(mask), keep)
+        stale = int(jnp.sum(~offpolicy.staleness_keep(a.version, self.version,
+                                                      c.offpolicy.max_staleness)))
+        tokens = jnp.asarray(a.tokens)
+        positions = jnp.asarray(a.positions)
+        behavior = jnp.asarray(a.behavior_logp)
+        old = ref = None
+        if c.offpolicy.recompute_old_logp:
+            old, _ = self.logprob_fn(self.state.params, tokens, positions)
+        if self.ref_params is not None:
+            ref, _ = self.logprob_fn(self.ref_params, tokens, positions)
+        streams = objective.rl_streams(
+            c, jnp.asarray(ro.rewards), mask,
+            old_logp_BxT=old if old is not None else behavior, ref_logp_BxT=ref)
+        extra = {"dropped_rows": int(dropped), "stale_rows": stale}
+        return tokens, positions, behavior, old, ref, streams, extra
+
+    def train_on(self, ro: Rollout, step: int) -> dict:
+        """All optimizer steps of one rollout batch (epochs x minibatches)."""
+        c = self.config
+        tokens, positions, behavior, old, ref, streams, extra = self._streams(ro, step)
+        a = ro.arrays
+        n, mb = c.group_size, c.offpolicy.minibatches
+        groups = len(ro.rewards) // n
+        routing = None if a.routing is None else jnp.asarray(a.routing)
+        versions = jnp.asarray(a.version)
+        rng = np.random.default_rng([c.seed, step])
+        outs = []
+        for _ in range(c.offpolicy.epochs):
+            order = rng.permutation(groups) if mb > 1 else np.arange(groups)
+            for chunk in np.split(order, mb):
+                rows = (chunk[:, None] * n + np.arange(n)[None, :]).reshape(-1)
+                mask = streams.mask_BxT[rows]
+                # Axis 2 over the optimizer-step batch (this minibatch), before
+                # it is split into micro-batches inside the step.
+                coef = normalizers.coefficients(mask, mode=c.loss.norm, group_size=n,
+                                                max_tokens=c.max_tokens)
+                batch = TrainBatch(
+                    tokens=tokens[rows], positions=positions[rows], loss_mask=mask,
+                    behavior_logp=behavior[rows], advantages=streams.advantages_BxT[rows],
+                    coef=coef, old_logp=None if old is None else old[rows],
+                    ref_logp=None if ref is None else ref[rows],
+                    routing=None if routing is None else routing[rows],
+                    policy_version=versions[rows])
+                self.state, m = self.train_step(self.state, batch)
+                outs.append(m)
+        host = jax.device_get(outs)
+        metrics = {k: float(np.mean([o[k] for o in host])) for k in host[0]}
+        metrics["skipped"] = int(sum(int(o["skipped"]) for o in host))
+        metrics.update({k: float(v) for k, v in streams.metrics.items()})
+        metrics.update(extra)
+        return metrics
+
+    # ----------------------------------------------------------------- eval
+
+    def evaluate(self) -> dict:
+        """Held-out reward and accuracy with greedy decoding."""
+        from rljax.sampling import SamplingParams
+        examples = self.task.eval_split(self.config.task.eval_size)
+        prompts = [self.render(ex) for ex in examples]
+        params = SamplingParams(max_new_tokens=self.config.max_tokens, temperature=0.0,
+                                stop_token_ids=self.stop_ids, n=1, seed=0)
+        with self._lock:
+            comps = self.sampler.generate(prompts, params)
+        rewards = np.array([self.task.reward(self._decode(cc.completion_ids), ex)
+                            for cc, ex in zip(comps, examples)])
+        return {"eval_reward": float(np.mean(rewards)),
+                "eval_accuracy": float(np.mean(rewards >= 1.0))}
+
+    # ------------------------------------------------------------------ run
+
+    def _rollouts(self):
+        """Yields rollouts: in line (sync) or from a thread running ahead (async)."""
+        ahead = self.config.sampler.ahead
+        if ahead <= 0:
+            for step in range(self.start_step, self.config.steps):
+                yield self.collect(self.data_pos, seed=self.config.seed * 100003 + step)
+            return
+        q: queue.Queue = queue.Queue(maxsize=ahead)
+        stop = threading.Event()
+
+        def produce():
+            pos = self.data_pos
+            for step in range(self.start_step, self.config.steps):
+                if stop.is_set():
+                    return
+                try:
+                    ro = self.collect(pos, seed=self.config.seed * 100003 + step)
+                except Exception as e:  # surfaced in the training thread
+                    q.put(e)
+                    return
+                pos = ro.data_pos
+                while not stop.is_set():
+                    try:
+                        q.put(ro, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+
+        thread = threading.Thread(target=produce, daemon=True, name="rljax-sampler")
+        thread.start()
+        try:
+            for _ in range(self.start_step, self.config.steps):
+                item = q.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+
+    def run(self) -> dict:
+        from tqdm import tqdm
+        c = self.config
+        summary = {"start_step": self.start_step}
+        if self.start_step == 0:
+            ev = self.evaluate()
+            summary["eval_before"] = ev
+            self.writer.write(0, {f"{k}": v for k, v in ev.items()})
+        bar = tqdm(total=c.steps, initial=self.start_step, disable=not self.is_main,
+                   desc="train", dynamic_ncols=True)
+        t_run = time.perf_counter()
+        step = self.start_step
+        for step, ro in enumerate(self._rollouts(), start=self.start_step):
+            t0 = time.perf_counter()
+            m = self.train_on(ro, step)
+            t_train = time.perf_counter() - t0
+            m.update(self._rollout_metrics(ro))
+            self.data_pos = ro.data_pos
+            self.version += 1
+            self.sampler.update_weights(self.state.params, self.version)
+            if m["skipped"]:
+                self.consecutive_skips += 1
+                self.total_skips += m["skipped"]
+                log.warning("step %d: non-finite loss or gradient, update skipped "
+                            "(%d in a row)", step, self.consecutive_skips)
+            else:
+                self.consecutive_skips = 0
+            m.update(ro.stats)
+            m["time_train"] = t_train
+            m["step_time"] = t_train + ro.stats["time_sample"] + ro.stats["time_score"]
+            m["tokens_per_s"] = float(ro.arrays.loss_mask.sum()) / max(m["step_time"], 1e-9)
+            m["total_skips"] = self.total_skips
+            if c.train.eval_every and (step + 1) % c.train.eval_every == 0 and step + 1 < c.steps:
+                m.update(self.evaluate())
+            self.writer.write(step + 1, m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", step_s=f"{m['step_time']:.1f}")
+            if self.consecutive_skips > c.train.max_consecutive_skips:
+                self._save(step + 1, wait=True)
+                raise RuntimeError(
+                    f"{self.consecutive_skips} consecutive steps had a non-finite loss or "
+                    f"gradient (train.max_consecutive_skips={c.train.max_consecutive_skips}); "
+                    f"state saved at step {step + 1}, last good parameters kept")
+            if (step + 1) % c.train.checkpoint_every == 0 or step + 1 == c.steps:
+                self._save(step + 1)
+        bar.close()
+        summary["train_wall_s"] = time.perf_counter() - t_run
+        ev = self.evaluate()
+        summary["eval_after"] = ev
+        self.writer.write(c.steps, ev)
+        self.checkpointer.close()
+        self.writer.close()
+        return summary
+
+    def _rollout_metrics(self, ro: Rollout) -> dict:
+        r = ro.rewards[ro.active]
+        lens = ro.arrays.completion_len[ro.active]
+        if r.size == 0:
+            return {"reward_mean": 0.0, "reward_std": 0.0, "pass_rate": 0.0,
+                    "response_len": 0.0}
+        finite = r[np.isfinite(r)]
+        return {
+            "reward_mean": float(np.mean(finite)) if finite.size else 0.0,
+            "reward_std": float(np.std(finite)) if finite.size else 0.0,
+            "pass_rate": float(np.mean(finite >= 1.0)) if finite.size else 0.0,
+            "response_len": float(np.mean(lens)),
+            "truncated_frac": float(np.mean(ro.arrays.truncated[ro.active])),
+            "staleness": float(np.mean(self.version - ro.arrays.version)),
+        }
+
+
+def train(config, workdir, *, sampler=None) -> dict:
+    """Trains `config` in `workdir` (resuming from its latest checkpoint)."""
+    return Trainer(config, workdir, sampler=sampler).run()
+
+
+def evaluate_run(config, workdir) -> dict:
+    """Held-out accuracy of the latest checkpoint in `workdir`."""
+    trainer = Trainer(config, workdir)
+    if trainer.start_step == 0:
+        raise ValueError(f"{workdir} has no checkpoint to evaluate")
+    out = {"step": trainer.start_step, **trainer.evaluate()}
+    trainer.checkpointer.close()
+    return out

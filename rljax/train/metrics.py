@@ -1,0 +1,69 @@
+"""Run-directory metrics: one JSON object per step in metrics.jsonl, and
+TensorBoard event files; only process 0 writes.
+
+On resume, lines after the restored step are dropped first, so the file
+never holds two versions of a step.
+"""
+
+import json
+import math
+import pathlib
+
+import numpy as np
+
+
+def _scalar(v):
+    v = np.asarray(v)
+    if v.size != 1:
+        return None
+    x = v.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)  # JSON has no NaN; keep it visible, never drop it
+    return x
+
+
+class MetricsWriter:
+
+    def __init__(self, workdir, *, enabled: bool = True, resume_step: int | None = None):
+        self.enabled = enabled
+        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            keep = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill
+                if resume_step is not None and row.get("step", 0) <= resume_step:
+                    keep.append(line)
+            self.path.write_text("".join(l + "\n" for l in keep))
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
+
+    def write(self, step: int, metrics: dict) -> dict:
+        row = {"step": int(step)}
+        for k, v in metrics.items():
+            s = _scalar(v)
+            if s is not None:
+                row[k] = s
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        return row
+
+    def close(self):
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read(workdir) -> list[dict]:
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
