@@ -17,6 +17,10 @@ def _hf_classes(arch):
     }[arch]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: loads a real checkpoint (about a minute); runs by default")
+
+
 @pytest.fixture
 def tiny_config():
     return get_preset("tiny")
