@@ -154,7 +154,11 @@ class Trainer:
         return self.tokenizer.encode(text)
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        # Ids outside the vocabulary come only from a broken sampler; the row
+        # is dropped later (bad_rows), the text just must not crash scoring.
+        v = self.tokenizer.vocab_size
+        return self.tokenizer.decode([i for i in ids if 0 <= i < v],
+                                     skip_special_tokens=True)
 
     def _sampling_params(self, seed: int, n: int):
         from rljax.sampling import SamplingParams
@@ -215,9 +219,20 @@ class Trainer:
         rewards = np.concatenate([r for _, r, _ in kept])
         texts = [t for _, _, ts_ in kept for t in ts_]
         arrays = rollout_lib.assemble(comps, bucket=c.rollout.length_bucket, pad_id=self.pad_id)
+        active = np.repeat(active, n)
+        # A sampler that returns garbage (non-finite log-probs, ids outside the
+        # vocabulary) loses those rows, counted, instead of poisoning the step.
+        bad = rollout_lib.bad_rows(arrays, self.tokenizer.vocab_size)
+        if bad.any():
+            log.warning("dropping %d rows with non-finite log-probs or invalid token ids "
+                        "from the sampler", int(bad.sum()))
+            arrays.tokens[bad] = self.pad_id
+            arrays.behavior_logp[bad] = 0.0
+            active = active & ~bad
+        stats["bad_sampler_rows"] = int(bad.sum())
         stats["time_sample"] = time.perf_counter() - t0 - score_s
         stats["time_score"] = score_s
-        return Rollout(arrays=arrays, rewards=rewards, active=np.repeat(active, n),
+        return Rollout(arrays=arrays, rewards=rewards, active=active,
                        data_pos=data_pos, texts=texts, stats=stats)
 
     # ------------------------------------------------------------- training

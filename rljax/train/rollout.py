@@ -67,3 +67,13 @@ def assemble(completions: Sequence, *, bucket: int, pad_id: int,
         version=np.array([c.version for c in completions], np.int32),
         routing=routing,
     )
+
+
+def bad_rows(arrays: RolloutArrays, vocab_size: int) -> np.ndarray:
+    """bool [B]: rows with a non-finite behavior log-prob or an id outside [0, V)."""
+    m = arrays.loss_mask > 0
+    lp = arrays.behavior_logp
+    # A log-prob is finite and <= 0; anything else is not a distribution.
+    nonfinite = np.any(m & ~(np.isfinite(lp) & (lp <= 1e-4)), axis=1)
+    out_of_vocab = np.any((arrays.tokens < 0) | (arrays.tokens >= vocab_size), axis=1)
+    return nonfinite | out_of_vocab
