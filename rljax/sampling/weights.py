@@ -64,12 +64,16 @@ def match_leaves(template: nnx.State, new: Any, *, copy: bool = True) -> nnx.Sta
     return result
 
 
-def save_params(state: Any, directory: str | os.PathLike, step: int) -> str:
-    """Writes the params as orbax checkpoint `step` under `directory` (blocking); returns the directory."""
+def save_params(state: Any, directory: str | os.PathLike, step: int, *, keep: int | None = None) -> str:
+    """Writes the params as orbax checkpoint `step` under `directory` (blocking); returns the directory.
+
+    `keep`: keep only the newest `keep` steps (a sync directory need not grow).
+    """
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(os.fspath(directory))
-    with ocp.CheckpointManager(directory) as manager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep)
+    with ocp.CheckpointManager(directory, options=options) as manager:
         manager.save(int(step), args=ocp.args.StandardSave(pure_params(state)), force=True)
         manager.wait_until_finished()
     return directory
