@@ -172,7 +172,7 @@ def _tokenizer_from_gguf(reader) -> Tokenizer:
     if model != "gpt2":
         raise ValueError(f"GGUF tokenizer.ggml.model={model!r} is not supported; only byte-level BPE ('gpt2')")
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges")
+    merges = _field(reader, "tokenizer.ggml.merges", None) or []
     types = _field(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
     bpe = tokenizers.models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
@@ -295,14 +295,18 @@ def _assemble(config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray
 
     values: dict[Path, jax.Array] = {}
     for path, spec in expected.items():
-        if path in names:
-            array = _to_ours(path, tensors[names[path]](), config)
-        else:
-            array = np.stack([_to_ours(path + (e,), tensors[names[path + (e,)]](), config)
-                              for e in range(config.n_experts)])
-        if tuple(array.shape) != tuple(spec.shape):
-            raise ValueError(f"tensor {', '.join(wanted[path])} has shape {tuple(array.shape)} after conversion; "
-                             f"parameter {'.'.join(map(str, path))} expects {tuple(spec.shape)} (checkpoint {source})")
+        raw = [tensors[name]() for name in wanted[path]]
+        try:
+            if path in names:
+                array = _to_ours(path, raw[0], config)
+            else:
+                array = np.stack([_to_ours(path + (e,), w, config) for e, w in enumerate(raw)])
+        except ValueError:
+            array = None
+        if array is None or tuple(array.shape) != tuple(spec.shape):
+            raise ValueError(
+                f"tensor {', '.join(wanted[path])} has shape {tuple(raw[0].shape)}, which does not fit parameter "
+                f"{'.'.join(map(str, path))} of shape {tuple(spec.shape)} (checkpoint {source})")
         values[path] = jnp.asarray(array, dtype=spec.dtype)
 
     def fill(path, _):
