@@ -2,8 +2,9 @@
 
 With `x = ref_logp - logp` on tokens sampled from the policy (Schulman's
 "Approximating KL divergence"): `k1 = -x`, `k2 = x^2 / 2`,
-`k3 = exp(x) - x - 1`; `low_var_kl` is k3 with `x` clamped to +-20 and the
-result to [-10, 10] (verl). Placement `loss` adds `beta * kl` to every token's
+`k3 = exp(x) - x - 1` (with `x` clamped to +-20, as every log-ratio here, so
+it cannot overflow); `low_var_kl` is k3 with the result also clamped to
+[-10, 10] (verl). Placement `loss` adds `beta * kl` to every token's
 term (GRPO: k3, beta 0.04); placement `reward` subtracts `beta * k1` from the
 reward (PPO/RLOO: beta 0.05), summed over the row for outcome rewards or per
 token for GAE.
@@ -27,9 +28,11 @@ def kl_estimate(kind: str, logp_BxT: jax.Array, ref_logp_BxT: jax.Array) -> jax.
         return -x
     if kind == "k2":
         return 0.5 * jnp.square(x)
+    # k3 exponentiates: clamp x to +-20 like every log-ratio in rljax, or a
+    # reference 89 nats above the policy overflows float32 into an inf weight.
+    x = jnp.clip(x, -20.0, 20.0)
     if kind == "k3":
         return jnp.expm1(x) - x
-    x = jnp.clip(x, -20.0, 20.0)
     return jnp.clip(jnp.expm1(x) - x, -10.0, 10.0)
 
 

@@ -95,6 +95,9 @@ def rl_streams(
         if values_BxT is None:
             raise ValueError("advantage.estimator='gae' needs values_BxT from the critic")
         finite_B = jnp.isfinite(rewards)
+        # A row with a non-finite reward is skipped and counted, never NaN; it
+        # leaves the mask first so it cannot move the whitening statistics.
+        mask = jnp.where(finite_B[:, None], mask, 0.0)
         token_r = adv_lib.outcome_token_rewards(jnp.where(finite_B, rewards, 0.0), mask)
         if kl_in_reward:
             token_r = kl_lib.kl_penalized_token_rewards(
@@ -105,9 +108,7 @@ def rl_streams(
         adv_BxT, returns = out.advantages_BxT, out.returns_BxT
         if config.advantage.whiten:
             adv_BxT = adv_lib.whiten(adv_BxT, mask)
-        # A row with a non-finite reward is skipped and counted, never NaN.
         adv_BxT = jnp.where(finite_B[:, None], adv_BxT, 0.0)
-        mask = jnp.where(finite_B[:, None], mask, 0.0)
         metrics["invalid_rows"] = jnp.sum(~finite_B).astype(jnp.int32)
     else:
         if kl_in_reward:

@@ -44,6 +44,7 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.task.name = "arithmetic"          # see rljax.tasks.task_names()
         c.task.args = ml_collections.ConfigDict()  # the task's own fields
         c.task.reward_fn = ""               # "module:function" replaces the reward
+        c.task.system_prompt = ""           # replaces the task's / template's default
         c.task.eval_size = 64               # held-out prompts, greedy decoding
 
         c.sampler = ml_collections.ConfigDict()

@@ -149,8 +149,11 @@ class Trainer:
     # ------------------------------------------------------------- sampling
 
     def render(self, example) -> list[int]:
-        text = self.tokenizer.apply_chat_template(self.task.messages(example),
-                                                  add_generation_prompt=True)
+        messages = self.task.messages(example)
+        if self.config.task.system_prompt:
+            messages = [{"role": "system", "content": self.config.task.system_prompt}] + [
+                m for m in messages if m["role"] != "system"]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.tokenizer.encode(text)
 
     def _decode(self, ids) -> str:
