@@ -32,6 +32,8 @@ class TrainBatch:
     routing: int32 [B, T, layers, k] MoE expert indices to replay.
     policy_version: int32 [B] weights version that sampled each row.
     group_id: int32 [B] prompt group of each row.
+    returns: GAE value targets for PPO's critic.
+    old_values: the critic's values before the update (value clipping).
     """
 
     tokens: jax.Array
@@ -48,6 +50,8 @@ class TrainBatch:
     routing: Optional[jax.Array] = None
     policy_version: Optional[jax.Array] = None
     group_id: Optional[jax.Array] = None
+    returns: Optional[jax.Array] = None
+    old_values: Optional[jax.Array] = None
 
     @property
     def shape(self):
@@ -65,7 +69,7 @@ class TrainBatch:
         bt = tuple(np.shape(self.tokens))
         for name in ("positions", "loss_mask", "behavior_logp", "advantages",
                      "coef", "old_logp", "ref_logp", "teacher_logp", "ce_coef",
-                     "ref_kl_coef"):
+                     "ref_kl_coef", "returns", "old_values"):
             v = getattr(self, name)
             if v is not None and tuple(np.shape(v)) != bt:
                 raise ValueError(f"TrainBatch.{name} has shape {np.shape(v)}, "

@@ -52,6 +52,12 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.sampler.url = ""                  # remote: base URL of `rljax serve`
         c.sampler.ahead = 0                 # async: batches generated ahead (0: sync)
 
+        c.critic = ml_collections.ConfigDict()   # PPO (advantage.estimator='gae')
+        c.critic.lr = 1e-5
+        c.critic.clip = 0.2                 # value clipping around the old values
+        c.critic.coef = 0.5                 # value-loss coefficient
+        c.critic.init = "policy"            # policy (copy the trunk) | scratch
+
         c.train = ml_collections.ConfigDict()
         c.train.micro_batches = 1           # gradient accumulation per step
         c.train.max_consecutive_skips = 3   # non-finite steps in a row before stopping
@@ -92,6 +98,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if (b // mb) % c.train.micro_batches:
         raise ValueError(f"train.micro_batches={c.train.micro_batches} must divide "
                          f"the minibatch of {b // mb} rows")
+    check_choice("critic.init", c.critic.init, ("policy", "scratch"))
     if c.rollout.temperature <= 0:
         raise ValueError("rollout.temperature must be > 0 for training (the "
                          "behavior log-probs need a distribution)")

@@ -33,6 +33,13 @@ from rljax.train import step as step_lib
 log = logging.getLogger("rljax.train")
 
 
+def _with_lr(optim, lr):
+    out = optim.copy_and_resolve_references()
+    with out.unlocked():
+        out.lr = lr
+    return out
+
+
 def build_task(config):
     from rljax import tasks
     kwargs = dict(config.task.args.to_dict())
@@ -95,13 +102,24 @@ class Trainer:
         model, self.tokenizer = build_policy(config, self.task)
         self.graphdef, params = nnx.split(model)
         self.optimizer = step_lib.make_optimizer(config.optim, config.steps)
-        self.state = step_lib.init_state(params, self.optimizer, config.seed)
+        critic_params = critic_opt = self.critic_graphdef = self.value_fn = None
+        if config.advantage.estimator == "gae":
+            from rljax.models import ValueModel
+            critic = (ValueModel.from_policy(model) if config.critic.init == "policy"
+                      else ValueModel(model.config, rngs=nnx.Rngs(config.seed + 1)))
+            self.critic_graphdef, critic_params = nnx.split(critic)
+            critic_opt = step_lib.make_optimizer(_with_lr(config.optim, config.critic.lr),
+                                                 config.steps)
+            self.value_fn = step_lib.make_value_fn(self.critic_graphdef)
+        self.state = step_lib.init_state(params, self.optimizer, config.seed,
+                                         critic_params, critic_opt)
         # The reference policy is the initial one, frozen.
         self.ref_params = jax.tree.map(jnp.copy, params) if self._needs_ref() else None
         self.sampler = sampler if sampler is not None else build_sampler(config, model)
         self.train_step = step_lib.make_train_step(
             config, self.graphdef, self.optimizer,
-            micro_batches=config.train.micro_batches, chunk_size=config.model.chunk_size)
+            micro_batches=config.train.micro_batches, chunk_size=config.model.chunk_size,
+            critic_graphdef=self.critic_graphdef, critic_optimizer=critic_opt)
         self.logprob_fn = step_lib.make_logprob_fn(
             self.graphdef, temperature=config.rollout.temperature,
             chunk_size=config.model.chunk_size)
@@ -257,16 +275,20 @@ class Trainer:
             old, _ = self.logprob_fn(self.state.params, tokens, positions)
         if self.ref_params is not None:
             ref, _ = self.logprob_fn(self.ref_params, tokens, positions)
+        values = None
+        if self.value_fn is not None:
+            values = self.value_fn(self.state.critic_params, tokens, positions)
         streams = objective.rl_streams(
             c, jnp.asarray(ro.rewards), mask,
-            old_logp_BxT=old if old is not None else behavior, ref_logp_BxT=ref)
+            old_logp_BxT=old if old is not None else behavior, ref_logp_BxT=ref,
+            values_BxT=values)
         extra = {"dropped_rows": int(dropped), "stale_rows": stale}
-        return tokens, positions, behavior, old, ref, streams, extra
+        return tokens, positions, behavior, old, ref, values, streams, extra
 
     def train_on(self, ro: Rollout, step: int) -> dict:
         """All optimizer steps of one rollout batch (epochs x minibatches)."""
         c = self.config
-        tokens, positions, behavior, old, ref, streams, extra = self._streams(ro, step)
+        tokens, positions, behavior, old, ref, values, streams, extra = self._streams(ro, step)
         a = ro.arrays
         n, mb = c.group_size, c.offpolicy.minibatches
         groups = len(ro.rewards) // n
@@ -289,7 +311,9 @@ class Trainer:
                     coef=coef, old_logp=None if old is None else old[rows],
                     ref_logp=None if ref is None else ref[rows],
                     routing=None if routing is None else routing[rows],
-                    policy_version=versions[rows])
+                    policy_version=versions[rows],
+                    returns=None if values is None else streams.returns_BxT[rows],
+                    old_values=None if values is None else values[rows])
                 self.state, m = self.train_step(self.state, batch)
                 outs.append(m)
         host = jax.device_get(outs)

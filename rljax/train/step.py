@@ -30,6 +30,8 @@ class TrainState:
     opt_state: Any
     step: jax.Array   # int32 []
     rng: jax.Array    # PRNG key
+    critic_params: Any = None      # PPO: the value model's nnx.State
+    critic_opt_state: Any = None
 
 
 def make_optimizer(optim, total_steps: int) -> optax.GradientTransformation:
@@ -64,7 +66,7 @@ def _combine_metrics(stacked: dict) -> dict:
     total = jnp.maximum(jnp.sum(w), 1.0)
     out = {}
     for k, v in stacked.items():
-        if k.startswith("loss") or k in ("kl", "num_tokens"):
+        if k.startswith("loss") or k in ("kl", "num_tokens", "value_loss"):
             out[k] = jnp.sum(v)
         elif k.endswith("_min"):
             out[k] = jnp.min(v)
@@ -87,9 +89,54 @@ def make_logprob_fn(graphdef, *, temperature: float, chunk_size: int = 256):
     return fn
 
 
+def values_on_token_grid(critic, tokens_BxT, positions_BxT):
+    """`V[b, t]`: the value of the prefix before token t (the state it was sampled in).
+
+    The value model scores the prefix `tokens[:t+1]` at t; GAE needs the state
+    in which token t was chosen, so values shift right by one (V[:, 0] = 0).
+    """
+    v = critic(tokens_BxT, positions_BxT)
+    return jnp.concatenate([jnp.zeros_like(v[:, :1]), v[:, :-1]], axis=1)
+
+
+def make_value_fn(critic_graphdef):
+    """`(critic_params, tokens_BxT, positions_BxT) -> values_BxT`, jitted."""
+
+    @jax.jit
+    def fn(params, tokens_BxT, positions_BxT):
+        return values_on_token_grid(nnx.merge(critic_graphdef, params), tokens_BxT,
+                                    positions_BxT)
+    return fn
+
+
+def critic_loss(config, values_BxT, batch: TrainBatch):
+    """PPO's clipped value loss `0.5 max((V - R)^2, (V_clip - R)^2)`, same coefficients.
+
+    `V_clip = V_old + clip(V - V_old, -c, c)` keeps the critic inside a trust
+    region around the values the advantages were computed with.
+    """
+    c = config.critic.clip
+    m = batch.loss_mask > 0
+    v = jnp.where(m, values_BxT, 0.0)
+    old = jnp.where(m, batch.old_values, 0.0)
+    ret = jnp.where(m, batch.returns, 0.0)
+    v_clip = old + jnp.clip(v - old, -c, c)
+    per_token = 0.5 * jnp.maximum(jnp.square(v - ret), jnp.square(v_clip - ret))
+    loss = config.critic.coef * jnp.sum(jnp.where(m, batch.coef * per_token, 0.0))
+    clipped = jnp.abs(v - old) > c
+    count = jnp.maximum(jnp.sum(m), 1)
+    return loss, {"value_loss": loss,
+                  "value_clip_frac": jnp.sum(clipped & m) / count,
+                  "value_mean": jnp.sum(v) / count}
+
+
 def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
-                    chunk_size: int = 256):
-    """The jitted `step(state, batch) -> (state, metrics)`; state is donated."""
+                    chunk_size: int = 256, critic_graphdef=None, critic_optimizer=None):
+    """The jitted `step(state, batch) -> (state, metrics)`; state is donated.
+
+    With a critic (PPO), the value model is trained in the same step on the
+    batch's `returns`, with its own optimizer and the same guard.
+    """
     temperature = config.rollout.temperature if "rollout" in config else 1.0
 
     def loss_fn(params, mb: TrainBatch):
@@ -105,28 +152,53 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def critic_fn(params, mb: TrainBatch):
+        critic = nnx.merge(critic_graphdef, params)
+        return critic_loss(config, values_on_token_grid(critic, mb.tokens, mb.positions), mb)
+
+    critic_grad_fn = jax.value_and_grad(critic_fn, has_aux=True)
+    has_critic = critic_graphdef is not None
+
     def step(state: TrainState, batch: TrainBatch):
         mbs = batch.split(micro_batches)
 
         def body(acc, mb):
             (loss, metrics), grads = grad_fn(state.params, mb)
-            return jax.tree.map(jnp.add, acc, grads), metrics
+            acc_p = jax.tree.map(jnp.add, acc[0], grads)
+            acc_c = acc[1]
+            if has_critic:
+                (_, vm), cgrads = critic_grad_fn(state.critic_params, mb)
+                acc_c = jax.tree.map(jnp.add, acc_c, cgrads)
+                metrics.update(vm)
+            return (acc_p, acc_c), metrics
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        grads, stacked = jax.lax.scan(body, zeros, mbs)
+        zeros = (jax.tree.map(jnp.zeros_like, state.params),
+                 jax.tree.map(jnp.zeros_like, state.critic_params) if has_critic else None)
+        (grads, cgrads), stacked = jax.lax.scan(body, zeros, mbs)
         metrics = _combine_metrics(stacked)
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        # Double-where: the optimizer never sees a NaN, so its moments stay clean.
-        safe_grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
-        updates, new_opt = optimizer.update(safe_grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+        if has_critic:
+            ok = ok & jnp.isfinite(optax.global_norm(cgrads))
+
+        def update(opt, g, opt_state, params):
+            # Double-where: the optimizer never sees a NaN, so its moments stay clean.
+            g = jax.tree.map(lambda x: jnp.where(ok, x, 0.0), g)
+            updates, new_opt = opt.update(g, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+            return keep(new_params, params), keep(new_opt, opt_state)
+
+        params, opt_state = update(optimizer, grads, state.opt_state, state.params)
+        critic_params, critic_opt = state.critic_params, state.critic_opt_state
+        if has_critic:
+            critic_params, critic_opt = update(critic_optimizer, cgrads, critic_opt,
+                                               critic_params)
         state = TrainState(
-            params=keep(new_params, state.params),
-            opt_state=keep(new_opt, state.opt_state),
+            params=params, opt_state=opt_state,
             step=state.step + ok.astype(jnp.int32),
             rng=jax.random.fold_in(state.rng, state.step),
+            critic_params=critic_params, critic_opt_state=critic_opt,
         )
         metrics["grad_norm"] = grad_norm
         metrics["skipped"] = (~ok).astype(jnp.int32)
@@ -135,6 +207,10 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
     return jax.jit(step, donate_argnames=("state",))
 
 
-def init_state(params, optimizer, seed: int) -> TrainState:
-    return TrainState(params=params, opt_state=optimizer.init(params),
-                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed))
+def init_state(params, optimizer, seed: int, critic_params=None,
+               critic_optimizer=None) -> TrainState:
+    return TrainState(
+        params=params, opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed),
+        critic_params=critic_params,
+        critic_opt_state=None if critic_params is None else critic_optimizer.init(critic_params))

@@ -201,3 +201,22 @@ def test_train_step_guard_in_isolation():
     trainer.train_on(trainer.collect(100, seed=4), 1)
     assert trainer.train_step._cache_size() == size  # same bucket: no recompile
     trainer.checkpointer.close()
+
+
+def test_ppo_trains_a_critic_alongside(tmp_path):
+    config = toy_config("ppo")
+    assert config.advantage.estimator == "gae" and config.kl.placement == "reward"
+    trainer = loop.Trainer(config, tmp_path)
+    critic0 = jax.tree.map(np.asarray, trainer.state.critic_params)
+    ro = trainer.collect(0, seed=0)
+    m = trainer.train_on(ro, 0)
+    assert m["skipped"] == 0 and m["value_loss"] > 0
+    critic1 = jax.tree.map(np.asarray, trainer.state.critic_params)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()),
+                                         critic0, critic1))
+    assert max(moved) > 0  # the critic was updated
+    # Values sit on the token grid: V[:, 0] is the empty prefix's 0.
+    tokens = jnp.asarray(ro.arrays.tokens)
+    v = trainer.value_fn(trainer.state.critic_params, tokens, jnp.asarray(ro.arrays.positions))
+    np.testing.assert_array_equal(np.asarray(v)[:, 0], 0.0)
+    trainer.checkpointer.close()
