@@ -131,11 +131,14 @@ def critic_loss(config, values_BxT, batch: TrainBatch):
 
 
 def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
-                    chunk_size: int = 256, critic_graphdef=None, critic_optimizer=None):
+                    chunk_size: int = 256, critic_graphdef=None, critic_optimizer=None,
+                    state_sharding=None, batch_sharding=None):
     """The jitted `step(state, batch) -> (state, metrics)`; state is donated.
 
     With a critic (PPO), the value model is trained in the same step on the
-    batch's `returns`, with its own optimizer and the same guard.
+    batch's `returns`, with its own optimizer and the same guard. With
+    `state_sharding` / `batch_sharding` (pytrees of NamedSharding, see
+    rljax.parallel) the step is jitted with those in/out shardings.
     """
     temperature = config.rollout.temperature if "rollout" in config else 1.0
 
@@ -204,7 +207,11 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
         metrics["skipped"] = (~ok).astype(jnp.int32)
         return state, metrics
 
-    return jax.jit(step, donate_argnames=("state",))
+    if state_sharding is None and batch_sharding is None:
+        return jax.jit(step, donate_argnames=("state",))
+    return jax.jit(step, donate_argnames=("state",),
+                   in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, None))
 
 
 def init_state(params, optimizer, seed: int, critic_params=None,
