@@ -126,6 +126,7 @@ def test_stop_token_is_last_and_included(sampler):
     out = sampler.generate([PROMPTS[1]], SamplingParams(max_new_tokens=10, temperature=0.0,
                                                         stop_token_ids=(255, stop)))[0]
     assert out.finish_reason == "stop"
+    assert sampler.last_timing["decode_steps"] == first + 1 < 16  # the loop exited early
     assert out.completion_ids == greedy.completion_ids[:first + 1]
     np.testing.assert_allclose(out.logprobs, greedy.logprobs[:first + 1], atol=1e-6)
 
@@ -184,14 +185,11 @@ def test_seed_reproducible_and_rows_independent(sampler):
     assert [x.completion_ids for x in alone] == [x.completion_ids for x in a[:2]]
 
 
-def test_more_rows_than_max_batch(model):
-    # 9 rows, batches of at most 4 (a [4, 4, 1] split), against one batch of 8 + 1.
-    small = InProcessSampler(model, prompt_buckets=(16,), completion_buckets=(16,), max_batch=4,
-                             batch_buckets=(1, 4))
-    big = InProcessSampler(model, prompt_buckets=(16,), completion_buckets=(16,), max_batch=8,
-                           batch_buckets=(1, 8))
+def test_more_rows_than_max_batch(model, sampler):
+    # 9 rows in batches of at most 4 (a [4, 4, 1] split, each padded to 4), against batches of 8 + 1.
+    small = InProcessSampler(model, **{**BUCKETS, "max_batch": 4, "batch_buckets": (4,)})
     params = SamplingParams(max_new_tokens=5, n=3, seed=2)
-    a, b = small.generate(PROMPTS, params), big.generate(PROMPTS, params)
+    a, b = small.generate(PROMPTS, params), sampler.generate(PROMPTS, params)
     assert len(a) == 9 and [x.completion_ids for x in a] == [x.completion_ids for x in b]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rljax.sampling import (InProcessSampler, RemoteSampler, SamplerError, SamplerRequestError,
+from rljax.sampling import (InProcessSampler, RemoteSampler, Sampler, SamplerError, SamplerRequestError,
                             SamplerUnavailableError, SamplingParams)
 from rljax.sampling import server as server_lib
 
@@ -117,7 +117,8 @@ def _same(remote, local):
 
 def test_completions_equal_in_process_sampler(server, client, tiny):
     model, tokenizer, local = tiny
-    for params in (_params(tokenizer), _params(tokenizer, temperature=0.0, n=1, max_new_tokens=16),
+    # Every call has 4 rows: one compiled batch shape on each side.
+    for params in (_params(tokenizer), _params(tokenizer, temperature=0.0, max_new_tokens=16),
                    _params(tokenizer, top_k=5, top_p=0.8, seed=9)):
         remote = client.generate(PROMPTS, params)
         assert len(remote) == len(PROMPTS) * params.n and all(c.version == 0 for c in remote)
@@ -129,14 +130,16 @@ def test_completions_equal_in_process_sampler(server, client, tiny):
 
 def test_text_prompt_and_vllm_shaped_logprobs(server, tiny):
     model, tokenizer, local = tiny
-    r = server.post("/v1/completions", json={"prompt": "abc=", "max_tokens": 10, "seed": 5, "n": 2,
+    texts = ["abc=", "hello world"]
+    r = server.post("/v1/completions", json={"prompt": texts, "max_tokens": 10, "seed": 5, "n": 2,
                                              "temperature": 0.9, "logprobs": 2, "model": "tiny"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["weights_version"] == 0
-    expected = local.generate([tokenizer.encode("abc=")], _params(tokenizer))
+    expected = local.generate([tokenizer.encode(t) for t in texts], _params(tokenizer))
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     for choice, c in zip(body["choices"], expected):
-        assert choice["prompt_token_ids"] == tokenizer.encode("abc=")
+        assert choice["prompt_token_ids"] == c.prompt_ids == tokenizer.encode(texts[choice["index"] // 2])
         assert choice["token_ids"] == c.completion_ids
         lp = choice["logprobs"]
         np.testing.assert_allclose(lp["token_logprobs"], c.logprobs, atol=1e-6)
@@ -189,14 +192,14 @@ def test_concurrent_requests_are_batched(server, client, tiny):
     before = server.health()
     seeds = range(20, 26)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(client.generate, PROMPTS[:1], _params(tokenizer, n=1, seed=s)) for s in seeds]
+        futures = [pool.submit(client.generate, PROMPTS, _params(tokenizer, seed=s)) for s in seeds]
         results = [f.result(timeout=HTTP_TIMEOUT) for f in futures]
     after = server.health()
     assert after["requests"] - before["requests"] == 6
     assert after["batches"] - before["batches"] < 6
     # Each request's rows keep their own seed whatever they were batched with.
     for s, remote in zip(seeds, results):
-        _same(remote, local.generate(PROMPTS[:1], _params(tokenizer, n=1, seed=s)))
+        _same(remote, local.generate(PROMPTS, _params(tokenizer, seed=s)))
 
 
 def test_update_weights_changes_outputs_and_version(server, tiny, tmp_path):
@@ -257,6 +260,7 @@ def test_killed_server_makes_the_client_retry_then_fail(servers):
 def test_unreachable_server_fails_clearly():
     url = f"http://127.0.0.1:{_free_port()}"
     with RemoteSampler(url, retries=1, backoff=0.01, timeout=5) as c:
+        assert isinstance(c, Sampler)
         with pytest.raises(SamplerUnavailableError, match=rf"sampler at {url}/v1/models after 2 attempts.*Connect"):
             c.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="needs sync_dir"):
