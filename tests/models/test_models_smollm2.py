@@ -113,6 +113,15 @@ def test_prompt_logits_match_transformers(greedy, reference):
     assert np.abs(logits - ref).max() < 1e-3
 
 
+def _past(model, output):
+    """Keyword passing the output's KV cache back (`past_key_values` became `cache` in transformers 5)."""
+    import inspect
+
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": output.cache}
+    return {"past_key_values": output.past_key_values}
+
+
 def test_greedy_continuation_matches_transformers(greedy, reference, ours):
     import torch
 
@@ -123,7 +132,7 @@ def test_greedy_continuation_matches_transformers(greedy, reference, ours):
         out = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(NEW_TOKENS):
             ref_generated.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([ref_generated[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([ref_generated[-1:]]), **_past(model, out), use_cache=True)
     assert generated == ref_generated
     text = ours[1].decode(generated)
     assert "moon" in text.lower(), text  # the weights make sense, not just agree

@@ -79,8 +79,7 @@ def test_right_padding_does_not_change_real_tokens(tiny_config):
     assert np.isfinite(np.asarray(with_pad)).all()
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("name,jit", [("tiny", False), ("tiny", True), ("tiny-moe", True)])
 def test_cache_prefill_then_decode_equals_full_forward(name, jit):
     config = get_preset(name, qkv_bias=True, qk_norm=True)
     model = Decoder(config, rngs=nnx.Rngs(2))
@@ -145,7 +144,7 @@ def _grads(config, tokens):
     return jax.jit(jax.grad(loss))(state), str(jax.make_jaxpr(jax.grad(loss))(state))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-moe"])  # attention, MoE and (through the router) dense paths
 def test_remat_policies_give_the_same_gradients(name):
     tokens = _tokens(5, (2, 8))
     base, base_jaxpr = _grads(get_preset(name, remat="none"), tokens)
@@ -162,9 +161,14 @@ def test_bfloat16_params_and_compute_run_close_to_float32(tiny_config):
     f32 = Decoder(tiny_config, rngs=nnx.Rngs(7))
     bf16 = Decoder(tiny_config.replace(param_dtype="bfloat16", compute_dtype="bfloat16"), rngs=nnx.Rngs(7))
     assert bf16.embed[...].dtype == jnp.bfloat16
-    out = bf16(tokens)
+    # Same weights, rounded to bfloat16.
+    nnx.update(bf16, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.state(f32, nnx.Param)))
+    call = nnx.jit(lambda m, t: m(t))
+    out = call(bf16, tokens)
     assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out.logits, f32(tokens).logits, atol=0.05)
+    ref = call(f32, tokens).logits
+    diff = float(jnp.abs(out.logits - ref).max())
+    assert 0 < diff < 0.05 * float(jnp.abs(ref).max()), diff
 
 
 # ----------------------------------------------------------------------------
