@@ -44,10 +44,11 @@ def test_presets_and_unknown_name():
 
 def test_every_param_has_logical_axes():
     for name in ("tiny", "tiny-moe"):
-        model = Decoder(get_preset(name, tie_embeddings=False, qkv_bias=True, qk_norm=True), rngs=nnx.Rngs(0))
+        config = get_preset(name, tie_embeddings=False, qkv_bias=True, qk_norm=True)
+        model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))  # metadata only, no compute
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             axes = var.get_metadata()["out_sharding"]
-            assert len(axes) == var[...].ndim, path
+            assert len(axes) == len(var.get_value().shape), path
             assert set(axes) <= AXES, (path, axes)
         specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
         assert tuple(specs["embed"].get_value()) == ("vocab", "embed")
@@ -79,12 +80,12 @@ def test_right_padding_does_not_change_real_tokens(tiny_config):
     assert np.isfinite(np.asarray(with_pad)).all()
 
 
-@pytest.mark.parametrize("name,jit", [("tiny", False), ("tiny", True), ("tiny-moe", True)])
-def test_cache_prefill_then_decode_equals_full_forward(name, jit):
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_cache_prefill_then_decode_equals_full_forward(name):
     config = get_preset(name, qkv_bias=True, qk_norm=True)
     model = Decoder(config, rngs=nnx.Rngs(2))
     fn, state = _pure(model)
-    step = jax.jit(fn) if jit else fn
+    step = jax.jit(fn)  # (the same code runs eagerly in the other tests)
     B, T_prompt, T_total = 3, 6, 11
     full_tokens = _tokens(3, (B, T_total))
     lengths = np.array([6, 3, 4])  # right-padded prompts of different lengths
@@ -147,10 +148,10 @@ def _grads(config, tokens):
 @pytest.mark.parametrize("name", ["tiny-moe"])  # attention, MoE and (through the router) dense paths
 def test_remat_policies_give_the_same_gradients(name):
     tokens = _tokens(5, (2, 8))
-    base, base_jaxpr = _grads(get_preset(name, remat="none"), tokens)
+    base, base_jaxpr = _grads(get_preset(name, remat="none", n_layers=1), tokens)
     assert "remat" not in base_jaxpr and "checkpoint" not in base_jaxpr
     for policy in ("full", "dots_saveable"):
-        grads, jaxpr = _grads(get_preset(name, remat=policy), tokens)
+        grads, jaxpr = _grads(get_preset(name, remat=policy, n_layers=1), tokens)
         # The policy is really in the program (else this compares a model with itself).
         assert "remat" in jaxpr or "checkpoint" in jaxpr, policy
         chex.assert_trees_all_close(grads, base, atol=1e-6, rtol=1e-6)
