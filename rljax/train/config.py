@@ -47,6 +47,10 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.task.system_prompt = ""           # replaces the task's / template's default
         c.task.eval_size = 64               # held-out prompts, greedy decoding
 
+        # Mixed batches: name -> source(...). Empty: one source, `task`, with
+        # the recipe's own estimator.
+        c.sources = ml_collections.ConfigDict()
+
         c.sampler = ml_collections.ConfigDict()
         c.sampler.kind = "inprocess"        # inprocess | remote
         c.sampler.url = ""                  # remote: base URL of `rljax serve`
@@ -65,6 +69,42 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.train.keep_checkpoints = 2
         c.train.eval_every = 0              # 0: only before and after
     return c
+
+
+# Per-source algorithms (SPEC.md, "Per-source algorithms and loss components"):
+# the outcome estimators set the advantage of the `rl` stream; `sft` and
+# `opd` feed the `ce` and `ref_kl` components instead.
+ALGORITHMS = {
+    "grpo": ("group_mean", "group_std"),
+    "max_rl": ("group_mean", "group_mean"),
+    "rloo": ("leave_one_out", "none"),
+    "dr_grpo": ("group_mean", "none"),
+    "sft": None,
+    "opd": None,
+}
+
+
+def source(task: str, *, weight: float = 1.0, algorithm: str = "grpo",
+           args: dict | None = None, teacher: str = "", ce_weight: float = 1.0,
+           reward_fn: str = "") -> ml_collections.ConfigDict:
+    """One task source of a mixed batch (put it under `config.sources.<name>`).
+
+    weight: share of `rollout.prompts_per_step` groups drawn from it.
+    algorithm: grpo | max_rl | rloo | dr_grpo (an `rl` stream with that
+      estimator), sft (`ce` on the task's reference answers), opd (`ref_kl` to
+      `teacher` on the policy's own samples).
+    teacher: opd only; a run directory (its latest checkpoint, same
+      architecture) or a pretrained source with the policy's tokenizer.
+    """
+    s = ml_collections.ConfigDict()
+    s.task = task
+    s.args = ml_collections.ConfigDict(args or {})
+    s.weight = float(weight)
+    s.algorithm = algorithm
+    s.teacher = teacher
+    s.ce_weight = float(ce_weight)
+    s.reward_fn = reward_fn
+    return s
 
 
 def get_config(recipe: str = "grpo", **overrides) -> ml_collections.ConfigDict:
@@ -99,6 +139,17 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ValueError(f"train.micro_batches={c.train.micro_batches} must divide "
                          f"the minibatch of {b // mb} rows")
     check_choice("critic.init", c.critic.init, ("policy", "scratch"))
+    for name, src in c.sources.items():
+        check_choice(f"sources.{name}.algorithm", src.algorithm, tuple(ALGORITHMS))
+        if src.weight <= 0:
+            raise ValueError(f"sources.{name}.weight={src.weight} must be > 0")
+        if src.algorithm == "opd" and not src.teacher:
+            raise ValueError(f"sources.{name}.algorithm='opd' needs sources.{name}.teacher")
+        if src.algorithm == "rloo" and c.group_size < 2:
+            raise ValueError(f"sources.{name}.algorithm='rloo' needs group_size >= 2")
+    if len(c.sources) and c.advantage.estimator == "gae":
+        raise ValueError("config.sources mixes outcome estimators; advantage.estimator="
+                         "'gae' (PPO) trains a single task with its critic")
     if c.rollout.temperature <= 0:
         raise ValueError("rollout.temperature must be > 0 for training (the "
                          "behavior log-probs need a distribution)")

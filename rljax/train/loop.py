@@ -40,12 +40,39 @@ def _with_lr(optim, lr):
     return out
 
 
-def build_task(config):
+def build_task(config, name=None, args=None, reward_fn=None):
+    """A task from the config (or from a source's name/args/reward_fn)."""
     from rljax import tasks
-    kwargs = dict(config.task.args.to_dict())
-    if config.task.reward_fn:
-        kwargs["reward_fn"] = config.task.reward_fn
-    return tasks.get_task(config.task.name, seed=config.seed, **kwargs)
+    kwargs = dict((config.task.args if args is None else args).to_dict())
+    reward_fn = config.task.reward_fn if reward_fn is None else reward_fn
+    if reward_fn:
+        kwargs["reward_fn"] = reward_fn
+    return tasks.get_task(name or config.task.name, seed=config.seed, **kwargs)
+
+
+@dataclasses.dataclass
+class Source:
+    """One task source of the batch and how its rows train (SPEC.md's table)."""
+
+    name: str
+    task: object
+    algorithm: str | None   # None: the recipe's own estimator (single source)
+    weight: float = 1.0
+    ce_weight: float = 1.0
+    teacher: str = ""
+
+
+KIND_RL, KIND_SFT, KIND_OPD = 0, 1, 2
+
+
+def allocate(weights, total: int) -> list[int]:
+    """Largest-remainder split of `total` groups by `weights` (sums to total)."""
+    w = np.asarray(weights, float) / np.sum(weights)
+    raw = w * total
+    out = np.floor(raw).astype(int)
+    for i in np.argsort(-(raw - out))[:total - out.sum()]:
+        out[i] += 1
+    return out.tolist()
 
 
 def build_policy(config, task):
@@ -84,9 +111,11 @@ class Rollout:
     arrays: rollout_lib.RolloutArrays
     rewards: np.ndarray        # float32 [B]
     active: np.ndarray         # bool [B]: False for filler groups (dynamic sampling)
-    data_pos: int
+    data_pos: dict             # source name -> next example index
     texts: list
     stats: dict
+    kind: np.ndarray = None    # int [B]: KIND_RL | KIND_SFT | KIND_OPD
+    source: np.ndarray = None  # int [B]: index into Trainer.sources
 
 
 class Trainer:
@@ -99,7 +128,8 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
         self.task = build_task(config)
-        model, self.tokenizer = build_policy(config, self.task)
+        self.sources = self._build_sources()
+        model, self.tokenizer = build_policy(config, self.sources[0].task)
         self.graphdef, params = nnx.split(model)
         self.optimizer = step_lib.make_optimizer(config.optim, config.steps)
         critic_params = critic_opt = self.critic_graphdef = self.value_fn = None
@@ -129,7 +159,9 @@ class Trainer:
             self.pad_id = self.tokenizer.eos_token_id or 0
         self.checkpointer = ckpt_lib.Checkpointer(self.workdir / "checkpoints",
                                                   keep=config.train.keep_checkpoints)
-        self.data_pos = 0
+        self.teachers = {s.name: self._build_teacher(s) for s in self.sources
+                         if s.algorithm == "opd"}
+        self.data_pos = {s.name: 0 for s in self.sources}
         self.version = 0
         self.consecutive_skips = 0
         self.total_skips = 0
@@ -145,18 +177,46 @@ class Trainer:
     def _needs_ref(self) -> bool:
         return self.config.kl.placement != "none"
 
+    def _build_sources(self) -> list:
+        c = self.config
+        if not len(c.sources):
+            return [Source("main", self.task, None)]
+        return [Source(name, build_task(c, s.task, s.args, s.reward_fn), s.algorithm,
+                       s.weight, s.ce_weight, s.teacher)
+                for name, s in sorted(c.sources.items())]
+
+    def _build_teacher(self, src: Source):
+        """(graphdef, params) of an opd teacher: a run directory or a pretrained source."""
+        path = pathlib.Path(src.teacher)
+        if (path / "checkpoints").is_dir():
+            got = ckpt_lib.Checkpointer(path / "checkpoints").restore(
+                ckpt_lib.abstract(self.state))
+            if got is None:
+                raise ValueError(f"sources.{src.name}.teacher={src.teacher!r} has no checkpoint")
+            return self.logprob_fn, got[1].params
+        from rljax.models import loading
+        teacher = loading.load_model(src.teacher)
+        if teacher.config.vocab_size != self.tokenizer.vocab_size:
+            raise ValueError(
+                f"sources.{src.name}.teacher={src.teacher!r} has a vocabulary of "
+                f"{teacher.config.vocab_size}, the policy's tokenizer {self.tokenizer.vocab_size}")
+        graphdef, params = nnx.split(teacher)
+        fn = step_lib.make_logprob_fn(graphdef, temperature=self.config.rollout.temperature,
+                                      chunk_size=self.config.model.chunk_size)
+        return fn, params
+
     def _restore(self):
         got = self.checkpointer.restore(ckpt_lib.abstract(self.state))
         if got is None:
             return
         step, self.state, meta = got
         self.start_step = step
-        self.data_pos = int(meta["data_pos"])
+        self.data_pos = {k: int(v) for k, v in meta["data_pos"].items()}
         self.version = int(meta["version"])
         self.consecutive_skips = int(meta.get("consecutive_skips", 0))
         self.total_skips = int(meta.get("total_skips", 0))
         self.sampler.update_weights(self.state.params, self.version)
-        log.info("resumed from step %d (data position %d)", step, self.data_pos)
+        log.info("resumed from step %d (data positions %s)", step, self.data_pos)
 
     def _save(self, step: int, wait: bool = False):
         meta = {"data_pos": self.data_pos, "version": self.version,
@@ -166,8 +226,8 @@ class Trainer:
 
     # ------------------------------------------------------------- sampling
 
-    def render(self, example) -> list[int]:
-        messages = self.task.messages(example)
+    def render(self, example, task=None) -> list[int]:
+        messages = (task or self.task).messages(example)
         if self.config.task.system_prompt:
             messages = [{"role": "system", "content": self.config.task.system_prompt}] + [
                 m for m in messages if m["role"] != "system"]
@@ -188,57 +248,111 @@ class Trainer:
                               top_p=r.top_p, top_k=r.top_k, stop_token_ids=self.stop_ids,
                               n=n, seed=seed)
 
-    def collect(self, data_pos: int, seed: int) -> Rollout:
-        """Samples and scores `prompts_per_step` groups (DAPO: informative ones)."""
+    def _next_examples(self, src: Source, pos: int, count: int, stats: dict):
+        """`count` examples of `src` from data position `pos` (long prompts skipped)."""
+        examples, prompts = [], []
+        while len(examples) < count:
+            ex = src.task.train_example(pos)
+            pos += 1
+            ids = self.render(ex, src.task)
+            if len(ids) > self.config.rollout.max_prompt_tokens:
+                stats["skipped_prompts"] += 1
+                continue
+            examples.append(ex)
+            prompts.append(ids)
+        return examples, prompts, pos
+
+    def _score(self, src: Source, ex, group):
         c = self.config
-        g_target, n = c.rollout.prompts_per_step, c.group_size
-        kept, filler = [], []
-        stats = {"skipped_prompts": 0, "filtered_groups": 0, "sampling_rounds": 0}
-        t0 = time.perf_counter()
-        score_s = 0.0
+        texts = [self._decode(cc.completion_ids) for cc in group]
+        rewards = np.array([src.task.reward(t, ex) for t in texts], np.float32)
+        if c.dapo.overlong:
+            lens = np.array([len(cc.completion_ids) for cc in group])
+            rewards = rewards + np.asarray(shaping.overlong_penalty(
+                lens, max_tokens=c.max_tokens, buffer=c.dapo.overlong_buffer,
+                factor=c.dapo.overlong_factor))
+        return rewards, texts
+
+    def _sampled_groups(self, src: Source, g_target: int, pos: int, seed: int, stats):
+        """`g_target` scored groups of `src` (DAPO: informative ones, bounded rounds)."""
+        c = self.config
+        n = c.group_size
+        # Dynamic sampling filters outcome groups; distillation has no reward signal to filter.
+        dynamic = c.dapo.dynamic_sampling and src.algorithm != "opd"
+        kept, filler, rounds = [], [], 0
         while True:
-            stats["sampling_rounds"] += 1
-            examples, prompts = [], []
-            while len(examples) < g_target:
-                ex = self.task.train_example(data_pos)
-                data_pos += 1
-                ids = self.render(ex)
-                if len(ids) > c.rollout.max_prompt_tokens:
-                    stats["skipped_prompts"] += 1
-                    continue
-                examples.append(ex)
-                prompts.append(ids)
+            rounds += 1
+            examples, prompts, pos = self._next_examples(src, pos, g_target, stats)
             with self._lock:
-                comps = self.sampler.generate(
-                    prompts, self._sampling_params(seed * 1009 + stats["sampling_rounds"], n))
+                comps = self.sampler.generate(prompts, self._sampling_params(seed * 1009 + rounds, n))
             ts = time.perf_counter()
             for gi, ex in enumerate(examples):
                 group = comps[gi * n:(gi + 1) * n]
-                texts = [self._decode(cc.completion_ids) for cc in group]
-                rewards = np.array([self.task.reward(t, ex) for t in texts], np.float32)
-                if c.dapo.overlong:
-                    lens = np.array([len(cc.completion_ids) for cc in group])
-                    rewards = rewards + np.asarray(shaping.overlong_penalty(
-                        lens, max_tokens=c.max_tokens, buffer=c.dapo.overlong_buffer,
-                        factor=c.dapo.overlong_factor))
-                item = (group, rewards, texts)
+                rewards, texts = self._score(src, ex, group)
                 informative = bool(np.all(np.isfinite(rewards)) and np.ptp(rewards) > 0)
-                if c.dapo.dynamic_sampling and not informative:
+                if dynamic and not informative:
                     stats["filtered_groups"] += 1
-                    filler.append(item)
+                    filler.append((group, rewards, texts))
                 else:
-                    kept.append(item)
-            score_s += time.perf_counter() - ts
-            if (not c.dapo.dynamic_sampling or len(kept) >= g_target
-                    or stats["sampling_rounds"] >= c.dapo.max_sampling_rounds):
+                    kept.append((group, rewards, texts))
+            stats["time_score"] += time.perf_counter() - ts
+            if not dynamic or len(kept) >= g_target or rounds >= c.dapo.max_sampling_rounds:
                 break
+        stats["sampling_rounds"] = max(stats["sampling_rounds"], rounds)
         kept = kept[:g_target]
-        stats["dynamic_sampling_shortfall"] = g_target - len(kept)
-        active = [True] * len(kept) + [False] * (g_target - len(kept))
-        kept = kept + filler[:g_target - len(kept)]
-        comps = [cc for group, _, _ in kept for cc in group]
-        rewards = np.concatenate([r for _, r, _ in kept])
-        texts = [t for _, _, ts_ in kept for t in ts_]
+        short = g_target - len(kept)
+        stats["dynamic_sampling_shortfall"] += short
+        active = [True] * len(kept) + [False] * short
+        return kept + filler[:short], active, pos
+
+    def _sft_groups(self, src: Source, g_target: int, pos: int, stats):
+        """Rows of (prompt, reference answer + EOS): no sampling, `ce` targets."""
+        from rljax.sampling import Completion
+        n = self.config.group_size
+        examples, prompts, pos = self._next_examples(src, pos, g_target * n, stats)
+        groups = []
+        for gi in range(g_target):
+            group, texts = [], []
+            for ex, ids in zip(examples[gi * n:(gi + 1) * n], prompts[gi * n:(gi + 1) * n]):
+                target = self.tokenizer.encode(str(ex.answer))[:self.config.max_tokens - 1]
+                target = target + list(self.stop_ids[:1])
+                group.append(Completion(prompt_ids=ids, completion_ids=target,
+                                        logprobs=[0.0] * len(target), finish_reason="stop",
+                                        version=self.version))
+                texts.append(str(ex.answer))
+            rewards = np.array([src.task.reward(t, ex) for t, ex in
+                                zip(texts, examples[gi * n:(gi + 1) * n])], np.float32)
+            groups.append((group, rewards, texts))
+        return groups, [True] * g_target, pos
+
+    def collect(self, data_pos: dict, seed: int) -> Rollout:
+        """Samples and scores `prompts_per_step` groups, split over the sources."""
+        c = self.config
+        n = c.group_size
+        stats = {"skipped_prompts": 0, "filtered_groups": 0, "sampling_rounds": 0,
+                 "dynamic_sampling_shortfall": 0, "time_score": 0.0}
+        t0 = time.perf_counter()
+        if isinstance(data_pos, int):
+            data_pos = {src.name: data_pos for src in self.sources}
+        data_pos = dict(data_pos)
+        counts = allocate([s.weight for s in self.sources], c.rollout.prompts_per_step)
+        groups, active, kind, source = [], [], [], []
+        for si, (src, g) in enumerate(zip(self.sources, counts)):
+            if g == 0:
+                continue
+            if src.algorithm == "sft":
+                got, act, data_pos[src.name] = self._sft_groups(src, g, data_pos[src.name], stats)
+            else:
+                got, act, data_pos[src.name] = self._sampled_groups(
+                    src, g, data_pos[src.name], seed * 31 + si, stats)
+            k = {"sft": KIND_SFT, "opd": KIND_OPD}.get(src.algorithm, KIND_RL)
+            groups += got
+            active += act
+            kind += [k] * (len(got) * n)
+            source += [si] * (len(got) * n)
+        comps = [cc for group, _, _ in groups for cc in group]
+        rewards = np.concatenate([r for _, r, _ in groups])
+        texts = [t for _, _, ts_ in groups for t in ts_]
         arrays = rollout_lib.assemble(comps, bucket=c.rollout.length_bucket, pad_id=self.pad_id)
         active = np.repeat(active, n)
         # A sampler that returns garbage (non-finite log-probs, ids outside the
@@ -251,14 +365,27 @@ class Trainer:
             arrays.behavior_logp[bad] = 0.0
             active = active & ~bad
         stats["bad_sampler_rows"] = int(bad.sum())
-        stats["time_sample"] = time.perf_counter() - t0 - score_s
-        stats["time_score"] = score_s
-        return Rollout(arrays=arrays, rewards=rewards, active=active,
-                       data_pos=data_pos, texts=texts, stats=stats)
+        stats["time_sample"] = time.perf_counter() - t0 - stats["time_score"]
+        return Rollout(arrays=arrays, rewards=rewards, active=active, data_pos=data_pos,
+                       texts=texts, stats=stats, kind=np.asarray(kind), source=np.asarray(source))
 
     # ------------------------------------------------------------- training
 
+    def _source_config(self, src: Source):
+        """The run config with `src`'s estimator (the recipe's own when None)."""
+        if src.algorithm is None:
+            return self.config
+        from rljax.train import config as config_lib
+        cfg = self.config.copy_and_resolve_references()
+        cfg.advantage.baseline, cfg.advantage.scale = config_lib.ALGORITHMS[src.algorithm]
+        return cfg
+
     def _streams(self, ro: Rollout, step: int):
+        """Per-token streams of the whole rollout batch (host-side pre-pass).
+
+        rl: advantages from each source's estimator on its own rows; ce: the
+        sft rows' targets; ref_kl: the opd rows against their teacher.
+        """
         c = self.config
         a = ro.arrays
         mask = a.loss_mask * ro.active[:, None]
@@ -270,56 +397,89 @@ class Trainer:
         tokens = jnp.asarray(a.tokens)
         positions = jnp.asarray(a.positions)
         behavior = jnp.asarray(a.behavior_logp)
-        old = ref = None
+        old = ref = teacher = values = None
         if c.offpolicy.recompute_old_logp:
             old, _ = self.logprob_fn(self.state.params, tokens, positions)
         if self.ref_params is not None:
             ref, _ = self.logprob_fn(self.ref_params, tokens, positions)
-        values = None
         if self.value_fn is not None:
             values = self.value_fn(self.state.critic_params, tokens, positions)
-        streams = objective.rl_streams(
-            c, jnp.asarray(ro.rewards), mask,
-            old_logp_BxT=old if old is not None else behavior, ref_logp_BxT=ref,
-            values_BxT=values)
-        extra = {"dropped_rows": int(dropped), "stale_rows": stale}
-        return tokens, positions, behavior, old, ref, values, streams, extra
+        kind = np.asarray(ro.kind)
+        rl_mask = mask * jnp.asarray(kind == KIND_RL, jnp.float32)[:, None]
+        adv = jnp.zeros(mask.shape, jnp.float32)
+        returns = None
+        metrics = {}
+        for si, src in enumerate(self.sources):
+            rows = np.nonzero((ro.source == si) & (kind == KIND_RL))[0]
+            if rows.size == 0:
+                continue
+            sl = slice(rows[0], rows[-1] + 1)  # a source's rows are contiguous
+            st = objective.rl_streams(
+                self._source_config(src), jnp.asarray(ro.rewards[sl]), rl_mask[sl],
+                old_logp_BxT=(old if old is not None else behavior)[sl],
+                ref_logp_BxT=None if ref is None else ref[sl],
+                values_BxT=None if values is None else values[sl])
+            adv = adv.at[sl].set(st.advantages_BxT)
+            rl_mask = rl_mask.at[sl].set(st.mask_BxT)
+            returns = st.returns_BxT
+            prefix = "" if len(self.sources) == 1 else f"{src.name}/"
+            metrics.update({prefix + k: float(v) for k, v in st.metrics.items()})
+        ce_w = ref_kl_w = None
+        if (kind == KIND_SFT).any():
+            w = np.array([self.sources[i].ce_weight for i in ro.source], np.float32)
+            ce_w = mask * jnp.asarray(w * (kind == KIND_SFT))[:, None]
+        if (kind == KIND_OPD).any():
+            ref_kl_w = mask * jnp.asarray(kind == KIND_OPD, jnp.float32)[:, None]
+            teacher = jnp.zeros(mask.shape, jnp.float32)
+            for si, src in enumerate(self.sources):
+                if src.algorithm == "opd":
+                    fn, params = self.teachers[src.name]
+                    lp, _ = fn(params, tokens, positions)
+                    on = jnp.asarray(ro.source == si)[:, None]
+                    teacher = jnp.where(on, lp, teacher)
+        streams = dict(tokens=tokens, positions=positions, behavior=behavior, old=old,
+                       ref=ref, values=values, teacher=teacher, adv=adv, rl_mask=rl_mask,
+                       returns=returns, ce_w=ce_w, ref_kl_w=ref_kl_w)
+        metrics.update({"dropped_rows": int(dropped), "stale_rows": stale})
+        return streams, metrics
 
     def train_on(self, ro: Rollout, step: int) -> dict:
         """All optimizer steps of one rollout batch (epochs x minibatches)."""
         c = self.config
-        tokens, positions, behavior, old, ref, values, streams, extra = self._streams(ro, step)
+        s, extra = self._streams(ro, step)
         a = ro.arrays
         n, mb = c.group_size, c.offpolicy.minibatches
         groups = len(ro.rewards) // n
         routing = None if a.routing is None else jnp.asarray(a.routing)
         versions = jnp.asarray(a.version)
         rng = np.random.default_rng([c.seed, step])
+        norm = dict(mode=c.loss.norm, group_size=n, max_tokens=c.max_tokens)
+        pick = lambda x, rows: None if x is None else x[rows]
         outs = []
         for _ in range(c.offpolicy.epochs):
             order = rng.permutation(groups) if mb > 1 else np.arange(groups)
             for chunk in np.split(order, mb):
                 rows = (chunk[:, None] * n + np.arange(n)[None, :]).reshape(-1)
-                mask = streams.mask_BxT[rows]
-                # Axis 2 over the optimizer-step batch (this minibatch), before
-                # it is split into micro-batches inside the step.
-                coef = normalizers.coefficients(mask, mode=c.loss.norm, group_size=n,
-                                                max_tokens=c.max_tokens)
+                # Axis 2 over the optimizer-step batch (this minibatch), per
+                # component, before the step splits it into micro-batches.
+                mask = s["rl_mask"][rows]
                 batch = TrainBatch(
-                    tokens=tokens[rows], positions=positions[rows], loss_mask=mask,
-                    behavior_logp=behavior[rows], advantages=streams.advantages_BxT[rows],
-                    coef=coef, old_logp=None if old is None else old[rows],
-                    ref_logp=None if ref is None else ref[rows],
-                    routing=None if routing is None else routing[rows],
-                    policy_version=versions[rows],
-                    returns=None if values is None else streams.returns_BxT[rows],
-                    old_values=None if values is None else values[rows])
+                    tokens=s["tokens"][rows], positions=s["positions"][rows], loss_mask=mask,
+                    behavior_logp=s["behavior"][rows], advantages=s["adv"][rows],
+                    coef=normalizers.coefficients(mask, **norm),
+                    old_logp=pick(s["old"], rows), ref_logp=pick(s["ref"], rows),
+                    teacher_logp=pick(s["teacher"], rows),
+                    ce_coef=None if s["ce_w"] is None else normalizers.weighted_coefficients(
+                        s["ce_w"][rows], **norm),
+                    ref_kl_coef=None if s["ref_kl_w"] is None
+                    else normalizers.weighted_coefficients(s["ref_kl_w"][rows], **norm),
+                    routing=pick(routing, rows), policy_version=versions[rows],
+                    returns=pick(s["returns"], rows), old_values=pick(s["values"], rows))
                 self.state, m = self.train_step(self.state, batch)
                 outs.append(m)
         host = jax.device_get(outs)
         metrics = {k: float(np.mean([o[k] for o in host])) for k in host[0]}
         metrics["skipped"] = int(sum(int(o["skipped"]) for o in host))
-        metrics.update({k: float(v) for k, v in streams.metrics.items()})
         metrics.update(extra)
         return metrics
 
@@ -442,7 +602,14 @@ class Trainer:
             return {"reward_mean": 0.0, "reward_std": 0.0, "pass_rate": 0.0,
                     "response_len": 0.0}
         finite = r[np.isfinite(r)]
-        return {
+        per_source = {}
+        if len(self.sources) > 1:
+            for si, src in enumerate(self.sources):
+                rs = ro.rewards[ro.active & (ro.source == si)]
+                rs = rs[np.isfinite(rs)]
+                if rs.size:
+                    per_source[f"reward_mean/{src.name}"] = float(np.mean(rs))
+        return per_source | {
             "reward_mean": float(np.mean(finite)) if finite.size else 0.0,
             "reward_std": float(np.std(finite)) if finite.size else 0.0,
             "pass_rate": float(np.mean(finite >= 1.0)) if finite.size else 0.0,

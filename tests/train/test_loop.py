@@ -174,7 +174,7 @@ def test_dapo_dynamic_sampling_keeps_informative_groups(tmp_path):
     # Every active group carries signal; fillers (if any) are masked out.
     assert all(np.ptp(g) > 0 for g in r[act])
     assert ro.stats["dynamic_sampling_shortfall"] == int((~act).sum())
-    assert ro.data_pos > config.rollout.prompts_per_step  # it sampled again
+    assert ro.data_pos["main"] > config.rollout.prompts_per_step  # it sampled again
     trainer.checkpointer.close()
 
 
@@ -219,4 +219,57 @@ def test_ppo_trains_a_critic_alongside(tmp_path):
     tokens = jnp.asarray(ro.arrays.tokens)
     v = trainer.value_fn(trainer.state.critic_params, tokens, jnp.asarray(ro.arrays.positions))
     np.testing.assert_array_equal(np.asarray(v)[:, 0], 0.0)
+    trainer.checkpointer.close()
+
+
+def test_mixed_sources_feed_each_component(tmp_path):
+    """grpo + rloo + sft + opd sources in one batch; the loss reads only streams."""
+    teacher_cfg = toy_config(seed=1)
+    teacher = loop.Trainer(teacher_cfg, tmp_path / "teacher")
+    teacher._save(0, wait=True)  # a different init serves as the teacher
+    teacher.checkpointer.close()
+
+    c = toy_config(**{"rollout.prompts_per_step": 8})
+    with c.sources.unlocked():
+        c.sources.copy = config_lib.source("toy_copy", weight=2, algorithm="grpo",
+                                           args=dict(c.task.args))
+        c.sources.rev = config_lib.source("toy_reverse", weight=2, algorithm="rloo",
+                                          args=dict(c.task.args))
+        c.sources.sft = config_lib.source("toy_copy", weight=2, algorithm="sft",
+                                          args=dict(c.task.args))
+        c.sources.opd = config_lib.source("toy_copy", weight=2, algorithm="opd",
+                                          args=dict(c.task.args),
+                                          teacher=str(tmp_path / "teacher"))
+    config_lib.validate(c)
+    trainer = loop.Trainer(c, tmp_path / "student")
+    assert [s.name for s in trainer.sources] == ["copy", "opd", "rev", "sft"]
+    ro = trainer.collect(trainer.data_pos, seed=0)
+    n = c.group_size
+    # Two groups of each source, in source order.
+    np.testing.assert_array_equal(ro.source, np.repeat([0, 0, 1, 1, 2, 2, 3, 3], n))
+    np.testing.assert_array_equal(ro.kind, np.repeat([0, 0, 2, 2, 0, 0, 1, 1], n))
+    # sft rows carry the reference answer + EOS as their completion.
+    sft_row = 6 * n
+    answer = ro.texts[sft_row]
+    ids = ro.arrays.tokens[sft_row][ro.arrays.loss_mask[sft_row] > 0]
+    assert trainer.tokenizer.decode(ids.tolist()) == answer
+    streams, _ = trainer._streams(ro, 0)
+    # rloo rows: leave-one-out advantages of their own rewards, unscaled.
+    r = ro.rewards[4 * n:5 * n]
+    loo = r - (r.sum() - r) / (n - 1)
+    rows = np.arange(4 * n, 5 * n)
+    m = np.asarray(streams["rl_mask"])[rows]
+    got = np.asarray(streams["adv"])[rows]
+    for i in range(n):
+        if m[i].any() and np.ptp(r) > 0:
+            np.testing.assert_allclose(got[i][m[i] > 0], loo[i], rtol=1e-5, atol=1e-6)
+    # Component masks are disjoint: rl on 0/2, ref_kl on opd, ce on sft.
+    assert np.all(np.asarray(streams["rl_mask"])[2 * n:4 * n] == 0)
+    assert np.all(np.asarray(streams["ref_kl_w"])[:2 * n] == 0)
+    assert np.asarray(streams["ce_w"])[6 * n:].sum() > 0
+    met = trainer.train_on(ro, 0)
+    assert met["skipped"] == 0
+    assert met["loss_ce"] > 0            # -mean logp of the targets
+    assert met["loss_ref_kl"] != 0.0     # teacher and student differ
+    assert np.isfinite(met["loss_rl"])
     trainer.checkpointer.close()
