@@ -6,7 +6,8 @@
 - a path to a `.gguf` file (llama, qwen2, qwen3 architectures; F32, F16,
   BF16, Q4_0, Q4_1, Q8_0 tensors, dequantised with `gguf.quants`);
 - a Hugging Face directory with `config.json` and `*.safetensors` (sharded
-  with an index too) for Llama, Qwen2 and Qwen3.
+  with an index too) for Llama, Mistral (no sliding window), Qwen2, Qwen3 and
+  Qwen3-MoE.
 
 Every parameter of the model must come from exactly one tensor of the
 checkpoint: a missing or unused tensor, a shape mismatch, an unsupported tensor
@@ -228,6 +229,7 @@ def _source_names(config: ModelConfig, fmt: str) -> dict[Path, str]:
         if config.is_moe:
             if not hf:
                 raise ValueError("mixture-of-experts GGUF files are not supported")
+            # Qwen3-MoE layout on disk: one [out, in] matrix per expert.
             ours[("mlp", "router")] = "mlp.gate.weight"
             for part in ("gate", "up", "down"):
                 for e in range(config.n_experts):
@@ -324,6 +326,7 @@ _HF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -361,6 +364,16 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         scaling = None
+    moe = {}
+    if model_type == "qwen3_moe":
+        # Only the all-MoE layout with renormalised top-k gates is what our MoE computes.
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise ValueError("config.json fields decoder_sparse_step/mlp_only_layers: mixed dense and MoE "
+                             "layers are not supported")
+        if not hf.get("norm_topk_prob", False):
+            raise ValueError("config.json field norm_topk_prob=false is not supported (gates are renormalised)")
+        moe = dict(n_experts=hf.get("num_experts") or need("num_local_experts"),
+                   experts_per_token=need("num_experts_per_tok"), moe_mlp_dim=need("moe_intermediate_size"))
     n_heads = need("num_attention_heads")
     d_model = need("hidden_size")
     fields = dict(
@@ -369,7 +382,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
         head_dim=hf.get("head_dim") or d_model // n_heads, mlp_dim=need("intermediate_size"),
         rope_theta=float(theta), rope_scaling=scaling, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3", max_seq_len=int(hf.get("max_position_embeddings", 2048)))
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        **moe)
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -50,3 +50,16 @@ def test_param_dtype_is_applied(make_hf_checkpoint):
     assert model.embed[...].dtype == jnp.bfloat16
     assert model.layers[0].attn.q_bias[...].dtype == jnp.bfloat16
     assert 1e-5 < diff < 0.1  # rounded weights: close, not equal
+
+
+def test_tiny_qwen3_moe_logits_and_routing_match_transformers(make_hf_checkpoint):
+    directory, torch_model = make_hf_checkpoint(
+        "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[])
+    with torch.no_grad():  # a router with spread-out choices, so top-k selection really matters
+        for layer in torch_model.model.layers:
+            layer.mlp.gate.weight.mul_(50.0)
+    torch_model.save_pretrained(directory)
+    model, diff = _compare(directory, torch_model, padded=False)
+    assert model.config.n_experts == 4 and model.config.experts_per_token == 2 and model.config.qk_norm
+    assert diff < 1e-4
