@@ -111,12 +111,13 @@ def _unembed(model, hidden_BxD: jax.Array) -> jax.Array:
 
 
 def prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_BxP: jax.Array, prompt_len_B: jax.Array,
-            cache_len: int) -> tuple[jax.Array, KVCache, jax.Array | None]:
+            cache_len: int) -> tuple[jax.Array, KVCache, jax.Array | None, jax.Array | None]:
     """One forward pass over right-padded prompts into a fresh KV cache of `cache_len` slots.
 
     Returns the float32 logits [B, V] after each row's last prompt token (only
     those are unembedded: [B, P, V] would dominate memory for real vocabularies),
-    the cache, and the MoE routing [B, P, L, K] of the prompt tokens (or None).
+    the cache, and for MoE models the routing [B, P, L, K] of the prompt tokens
+    and [B, L, K] of each row's last one (else None, None).
     """
     chex.assert_rank([prompt_BxP, prompt_len_B], [2, 1])
     model = nnx.merge(graphdef, state)
@@ -126,7 +127,10 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, prompt_BxP: jax.Array, pro
     cache = init_cache(model.config, B, cache_len)
     out = model(prompt_BxP, positions_BxP, attn_mask_BxT=mask_BxP, cache=cache, return_hidden=True)
     last_BxD = jnp.take_along_axis(out.hidden, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-    return _unembed(model, last_BxD), out.cache, out.routing
+    last_routing_BxLxK = None
+    if out.routing is not None:
+        last_routing_BxLxK = jnp.take_along_axis(out.routing, (prompt_len_B - 1)[:, None, None, None], axis=1)[:, 0]
+    return _unembed(model, last_BxD), out.cache, out.routing, last_routing_BxLxK
 
 
 def decode(graphdef: nnx.GraphDef, state: nnx.State, logits_BxV: jax.Array, cache: KVCache,

@@ -215,12 +215,8 @@ class InProcessSampler:
             row_ids[b] = r.row_id % 2**32
 
         t0 = time.perf_counter()
-        logits, cache, prompt_routing = decode_lib.prefill_jit(self.graphdef, params, jnp.asarray(prompt),
-                                                               jnp.asarray(prompt_len), cache_len=P + C)
-        last_routing = None
-        if prompt_routing is not None:
-            last_routing = jnp.take_along_axis(prompt_routing, jnp.asarray(prompt_len - 1)[:, None, None, None],
-                                               axis=1)[:, 0]
+        logits, cache, prompt_routing, last_routing = decode_lib.prefill_jit(
+                self.graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_len), cache_len=P + C)
         jax.block_until_ready(logits)
         t1 = time.perf_counter()
         out = decode_lib.decode_jit(self.graphdef, params, logits, cache, last_routing, jnp.asarray(prompt_len),

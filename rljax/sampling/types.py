@@ -39,9 +39,10 @@ class SamplingParams:
       stop_token_ids: a row stops after sampling one of these (finish_reason
         "stop"); the stop token is the last completion token.
       n: samples per prompt.
-      seed: with the same seed, prompts and params, runs give the same tokens.
-        Row r of a call draws from key(fold_in(seed, r)), independently of the
-        other rows and of how rows are batched.
+      seed: with the same seed, prompts and params, runs give the same tokens
+        (so pass a new one each step, e.g. the step number). Row r of a call
+        draws from fold_in(key(seed), r), independently of the other rows and
+        of how rows are batched.
     """
 
     max_new_tokens: int
