@@ -18,10 +18,9 @@ def get_config(recipe: str = "grpo"):
     c.seed = 0
     c.steps = 150
     c.group_size = 8
-    c.max_tokens = 5                 # answers are 2-4 characters + EOS
-    c.dapo.overlong_buffer = 2
-    if recipe == "grpo":             # no reference model for a from-scratch toy
-        c.kl.placement, c.kl.beta = "none", 0.0
+    c.max_tokens = 6                 # answers are 2-4 characters + EOS
+    c.dapo.overlong_buffer = 1       # only a row that hits the limit is overlong
+    c.kl.placement, c.kl.beta = "none", 0.0  # no reference for a from-scratch toy
     c.model.source = "tiny"          # random init from the seed
     c.optim.lr = 1e-3
     c.rollout.prompts_per_step = 8

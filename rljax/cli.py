@@ -17,7 +17,7 @@ commands:
   eval [--config PATH] --workdir RUN   held-out accuracy of RUN's latest checkpoint
   plot RUN_DIR [--out PNG] reward, length, KL, clip and mismatch curves
   serve [--config PATH] [--port N]   serve the sampler over HTTP
-  sweep SWEEP.py [--print] [--workdir DIR]   run a sweep, write results.csv
+  sweep SWEEP.py [--print] [--workdir DIR] [--steps N]   run a sweep, write results
 """
 
 

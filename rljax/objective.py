@@ -67,12 +67,14 @@ def rl_streams(
     old_logp_BxT: Optional[jax.Array] = None,
     ref_logp_BxT: Optional[jax.Array] = None,
     values_BxT: Optional[jax.Array] = None,
+    token_rewards_BxT: Optional[jax.Array] = None,
 ) -> RLStreams:
     """Advantages and coefficients of the whole optimizer-step batch.
 
     KL in the reward (placement `reward`) uses the sampling policy's log-probs
     `old_logp_BxT` against `ref_logp_BxT`. GAE needs `values_BxT`; the outcome
-    reward sits on the row's last completion token.
+    reward sits on the row's last completion token unless `token_rewards_BxT`
+    gives per-turn rewards (multi-turn rows; `rewards_B` is then their sum).
     """
     _checks.check_rank("rewards_B", rewards_B, 1)
     _checks.check_rank("mask_BxT", mask_BxT, 2)
@@ -98,7 +100,11 @@ def rl_streams(
         # A row with a non-finite reward is skipped and counted, never NaN; it
         # leaves the mask first so it cannot move the whitening statistics.
         mask = jnp.where(finite_B[:, None], mask, 0.0)
-        token_r = adv_lib.outcome_token_rewards(jnp.where(finite_B, rewards, 0.0), mask)
+        if token_rewards_BxT is not None:
+            token_r = jnp.where(mask > 0, jnp.nan_to_num(jnp.asarray(token_rewards_BxT,
+                                                                     jnp.float32)), 0.0)
+        else:
+            token_r = adv_lib.outcome_token_rewards(jnp.where(finite_B, rewards, 0.0), mask)
         if kl_in_reward:
             token_r = kl_lib.kl_penalized_token_rewards(
                 token_r, old_logp_BxT, ref_logp_BxT, mask, beta=kl_cfg.beta,

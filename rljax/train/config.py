@@ -4,8 +4,11 @@ Every field is commented here, once; configs/*.py only set values. The result
 is locked (an unknown key fails) and validated.
 """
 
+import math
+
 import ml_collections
 
+from rljax import parallel
 from rljax import recipes
 
 
@@ -51,6 +54,15 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         # the recipe's own estimator.
         c.sources = ml_collections.ConfigDict()
 
+        c.env = ml_collections.ConfigDict()      # multi-turn episodes (rljax.envs)
+        c.env.name = ""                     # "" single-turn | calculator | python | toy_multiturn
+        c.env.max_turns = 4                 # assistant turns per episode
+        c.env.token_budget = 256            # sampled tokens per episode, then it ends
+        c.env.over_budget_reward = 0.0      # reward of an episode that ran out of budget
+        c.env.max_row_tokens = 1024         # a row longer than this ends its episode
+        c.env.echo_weight = 0.0             # ce weight on env tokens (echo: 0.1)
+        c.env.args = ml_collections.ConfigDict()  # the environment's own fields
+
         c.sampler = ml_collections.ConfigDict()
         c.sampler.kind = "inprocess"        # inprocess | remote
         c.sampler.url = ""                  # remote: base URL of `rljax serve`
@@ -68,6 +80,32 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.train.checkpoint_every = 10
         c.train.keep_checkpoints = 2
         c.train.eval_every = 0              # 0: only before and after
+
+        # Device mesh of the trainer (rljax.parallel, docs/scale_out.md). The
+        # product of the sizes is the device count; one may be -1 (the rest).
+        c.mesh = ml_collections.ConfigDict()
+        c.mesh.data = -1                    # data parallel, params replicated
+        c.mesh.fsdp = 1                     # data parallel, params + optimizer state sharded
+        c.mesh.tensor = 1                   # heads / mlp / vocab split (within a host)
+        c.mesh.expert = 1                   # MoE experts split
+        c.mesh.sampler_tensor = 1           # in-process sampler: its own (data, tensor) mesh
+                                            # over each process's devices, this tensor size
+
+        # Logical axis name -> mesh axes ("a,b"; "" replicates). Parameters use
+        # vocab/embed/heads/kv_heads/head_dim/mlp/experts, activations batch/length.
+        c.logical_axis_rules = ml_collections.ConfigDict()
+        for name, axes in parallel.DEFAULT_RULES:
+            c.logical_axis_rules[name] = ",".join(axes)
+
+        # Multi-host start-up (jax.distributed, one process per host).
+        c.distributed = ml_collections.ConfigDict()
+        c.distributed.initialize = "auto"   # auto (a coordinator is named or a multi-host TPU /
+                                            # SLURM / MPI job is detected) | yes | no
+        c.distributed.coordinator_address = ""  # "host:port" of process 0; "" reads
+                                                # $JAX_COORDINATOR_ADDRESS or auto-detects
+        c.distributed.num_processes = 0     # 0: $JAX_NUM_PROCESSES or auto-detected
+        c.distributed.process_id = -1       # -1: $JAX_PROCESS_ID or auto-detected
+        c.distributed.local_device_ids = "" # "0,1,2,3": this process's GPUs; "" = all visible
     return c
 
 
@@ -79,6 +117,7 @@ ALGORITHMS = {
     "max_rl": ("group_mean", "group_mean"),
     "rloo": ("leave_one_out", "none"),
     "dr_grpo": ("group_mean", "none"),
+    "echo": ("group_mean", "group_std"),  # + ce on environment tokens
     "sft": None,
     "opd": None,
 }
@@ -95,7 +134,11 @@ def source(task: str, *, weight: float = 1.0, algorithm: str = "grpo",
       `teacher` on the policy's own samples).
     teacher: opd only; a run directory (its latest checkpoint, same
       architecture) or a pretrained source with the policy's tokenizer.
+    ce_weight: sft's target weight; echo's weight on environment tokens
+      (default 0.1 for echo, SPEC.md).
     """
+    if algorithm == "echo" and ce_weight == 1.0:
+        ce_weight = 0.1
     s = ml_collections.ConfigDict()
     s.task = task
     s.args = ml_collections.ConfigDict(args or {})
@@ -139,6 +182,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ValueError(f"train.micro_batches={c.train.micro_batches} must divide "
                          f"the minibatch of {b // mb} rows")
     check_choice("critic.init", c.critic.init, ("policy", "scratch"))
+    if "mesh" in c:
+        _validate_mesh(c, b // mb // c.train.micro_batches)
     for name, src in c.sources.items():
         check_choice(f"sources.{name}.algorithm", src.algorithm, tuple(ALGORITHMS))
         if src.weight <= 0:
@@ -154,3 +199,24 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ValueError("rollout.temperature must be > 0 for training (the "
                          "behavior log-probs need a distribution)")
     return c
+
+
+def _validate_mesh(c: ml_collections.ConfigDict, rows_per_micro_batch: int) -> None:
+    """Mesh sizes, rule axes and the start-up mode; device counts are checked at start-up."""
+    from rljax._checks import check_choice
+    sizes = {a: c.mesh[a] for a in parallel.MESH_AXES}
+    bad = [a for a, s in sizes.items() if not isinstance(s, int) or s == 0 or s < -1]
+    if bad or sum(s == -1 for s in sizes.values()) > 1:
+        raise ValueError(f"mesh.{bad[0] if bad else 'data'}: sizes must be >= 1 with at most one "
+                         f"-1 (the devices left over); got {sizes}")
+    if c.mesh.sampler_tensor < 1:
+        raise ValueError(f"mesh.sampler_tensor={c.mesh.sampler_tensor} must be >= 1")
+    parallel.parse_rules(dict(c.logical_axis_rules))  # names the bad rule
+    check_choice("distributed.initialize", c.distributed.initialize, ("auto", "yes", "no"))
+    rules = dict(parallel.parse_rules(dict(c.logical_axis_rules)))
+    split = [sizes[a] for a in rules.get("batch", ()) if sizes[a] > 1]
+    if split and rows_per_micro_batch % math.prod(split):
+        raise ValueError(
+            f"a micro-batch of {rows_per_micro_batch} rows cannot be split over the batch axes "
+            f"({'x'.join(map(str, split))} = {math.prod(split)} devices); change "
+            f"rollout.prompts_per_step, group_size, offpolicy.minibatches or train.micro_batches")

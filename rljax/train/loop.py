@@ -23,6 +23,7 @@ from flax import nnx
 from rljax import normalizers
 from rljax import objective
 from rljax import offpolicy
+from rljax import parallel
 from rljax import shaping
 from rljax.batch import TrainBatch
 from rljax.train import checkpoint as ckpt_lib
@@ -75,11 +76,12 @@ def allocate(weights, total: int) -> list[int]:
     return out.tolist()
 
 
-def build_policy(config, task):
+def build_policy(config, task, mesh=None, rules=parallel.DEFAULT_RULES):
     """(model, tokenizer): pretrained weights, or a preset initialised from the seed.
 
     A preset (e.g. `tiny`) trains from scratch with the task's own character
-    tokenizer (toy tasks ship one), sized to its vocabulary.
+    tokenizer (toy tasks ship one), sized to its vocabulary. With a `mesh`, a
+    preset is initialised already sharded (parallel.init_sharded).
     """
     from rljax.models import config as model_config
     from rljax.models import loading
@@ -92,16 +94,24 @@ def build_policy(config, task):
                              f"task with its own tokenizer (toy tasks), not {config.task.name!r}")
         tok = task.tokenizer()
         cfg = model_config.get_preset(m.source, vocab_size=tok.vocab_size, **dtypes)
-        return transformer.Decoder(cfg, rngs=nnx.Rngs(config.seed)), tok
+        make = lambda: transformer.Decoder(cfg, rngs=nnx.Rngs(config.seed))  # noqa: E731
+        if mesh is None:
+            return make(), tok
+        return nnx.merge(*parallel.init_sharded(make, mesh, rules)), tok
     return loading.load_pretrained(m.source, param_dtype=m.param_dtype,
                                    compute_dtype=m.compute_dtype, remat=m.remat)
 
 
-def build_sampler(config, model):
+def build_sampler(config, model, rules=parallel.DEFAULT_RULES):
     from rljax import sampling
     if config.sampler.kind == "remote":
         return sampling.RemoteSampler(config.sampler.url)
-    return sampling.InProcessSampler(model)
+    if jax.device_count() == 1:
+        return sampling.InProcessSampler(model)
+    # Its own (data, tensor) mesh over this process's devices; weights are
+    # gathered and resharded onto it at every sync.
+    mesh = parallel.make_sampler_mesh(config.mesh.sampler_tensor)
+    return sampling.InProcessSampler(model, mesh=mesh, rules=rules)
 
 
 @dataclasses.dataclass
@@ -116,6 +126,19 @@ class Rollout:
     stats: dict
     kind: np.ndarray = None    # int [B]: KIND_RL | KIND_SFT | KIND_OPD
     source: np.ndarray = None  # int [B]: index into Trainer.sources
+    episode: np.ndarray = None  # int [B]: the group row each row belongs to (-1 filler)
+    primary: int = 0           # rows before the multi-turn overflow rows
+
+
+class _Locked:
+    """A sampler whose generate calls hold the trainer's lock (async mode)."""
+
+    def __init__(self, sampler, lock):
+        self.sampler, self.lock = sampler, lock
+
+    def generate(self, prompts, params):
+        with self.lock:
+            return self.sampler.generate(prompts, params)
 
 
 class Trainer:
@@ -123,14 +146,20 @@ class Trainer:
 
     def __init__(self, config, workdir, *, sampler=None):
         self.config = config
+        parallel.initialize(config)  # multi-host: before anything touches a device
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.is_main = jax.process_index() == 0
-        (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        if self.is_main:
+            (self.workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        self.mesh = parallel.make_mesh(config.mesh)
+        self.rules = parallel.rules_from_config(config)
+        log.info("mesh %s", parallel.describe(self.mesh))
         self.task = build_task(config)
         self.sources = self._build_sources()
-        model, self.tokenizer = build_policy(config, self.sources[0].task)
+        model, self.tokenizer = build_policy(config, self.sources[0].task, self.mesh, self.rules)
         self.graphdef, params = nnx.split(model)
+        params = parallel.shard_params(params, self.mesh, self.rules)  # loaded weights
         self.optimizer = step_lib.make_optimizer(config.optim, config.steps)
         critic_params = critic_opt = self.critic_graphdef = self.value_fn = None
         if config.advantage.estimator == "gae":
@@ -138,21 +167,32 @@ class Trainer:
             critic = (ValueModel.from_policy(model) if config.critic.init == "policy"
                       else ValueModel(model.config, rngs=nnx.Rngs(config.seed + 1)))
             self.critic_graphdef, critic_params = nnx.split(critic)
+            critic_params = parallel.shard_params(critic_params, self.mesh, self.rules)
             critic_opt = step_lib.make_optimizer(_with_lr(config.optim, config.critic.lr),
                                                  config.steps)
             self.value_fn = step_lib.make_value_fn(self.critic_graphdef)
-        self.state = step_lib.init_state(params, self.optimizer, config.seed,
-                                         critic_params, critic_opt)
+        # eval_shape -> shardings -> jit(init, out_shardings): moments sharded like params.
+        self.state, self.state_sharding = parallel.init_state_sharded(
+            lambda p, cp: step_lib.init_state(p, self.optimizer, config.seed, cp, critic_opt),
+            self.mesh, self.rules, params, critic_params)
+        # Batches arrive as host data; each process feeds the rows its devices hold.
+        self.batch_sharding = parallel.batch_sharding(self.mesh, self.rules)
+        if self.value_fn is not None:
+            self.value_fn = parallel.ShardedFn(self.value_fn, self.batch_sharding, feed=(1, 2),
+                                               local_outputs=True)
         # The reference policy is the initial one, frozen.
         self.ref_params = jax.tree.map(jnp.copy, params) if self._needs_ref() else None
-        self.sampler = sampler if sampler is not None else build_sampler(config, model)
-        self.train_step = step_lib.make_train_step(
+        self.sampler = sampler if sampler is not None else build_sampler(config, model, self.rules)
+        self.train_step = parallel.ShardedFn(step_lib.make_train_step(
             config, self.graphdef, self.optimizer,
             micro_batches=config.train.micro_batches, chunk_size=config.model.chunk_size,
-            critic_graphdef=self.critic_graphdef, critic_optimizer=critic_opt)
-        self.logprob_fn = step_lib.make_logprob_fn(
+            critic_graphdef=self.critic_graphdef, critic_optimizer=critic_opt,
+            state_sharding=self.state_sharding, batch_sharding=self.batch_sharding),
+            self.batch_sharding, feed=(1,))
+        self.logprob_fn = parallel.ShardedFn(step_lib.make_logprob_fn(
             self.graphdef, temperature=config.rollout.temperature,
-            chunk_size=config.model.chunk_size)
+            chunk_size=config.model.chunk_size), self.batch_sharding, feed=(1, 2),
+            local_outputs=True)
         self.stop_ids = tuple(i for i in [self.tokenizer.eos_token_id] if i is not None)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
@@ -203,7 +243,8 @@ class Trainer:
         graphdef, params = nnx.split(teacher)
         fn = step_lib.make_logprob_fn(graphdef, temperature=self.config.rollout.temperature,
                                       chunk_size=self.config.model.chunk_size)
-        return fn, params
+        fn = parallel.ShardedFn(fn, self.batch_sharding, feed=(1, 2), local_outputs=True)
+        return fn, parallel.shard_params(params, self.mesh, self.rules)
 
     def _restore(self):
         got = self.checkpointer.restore(ckpt_lib.abstract(self.state))
@@ -227,7 +268,9 @@ class Trainer:
     # ------------------------------------------------------------- sampling
 
     def render(self, example, task=None) -> list[int]:
-        messages = (task or self.task).messages(example)
+        return self._render_messages((task or self.task).messages(example))
+
+    def _render_messages(self, messages) -> list[int]:
         if self.config.task.system_prompt:
             messages = [{"role": "system", "content": self.config.task.system_prompt}] + [
                 m for m in messages if m["role"] != "system"]
@@ -235,11 +278,19 @@ class Trainer:
         return self.tokenizer.encode(text)
 
     def _decode(self, ids) -> str:
-        # Ids outside the vocabulary come only from a broken sampler; the row
-        # is dropped later (bad_rows), the text just must not crash scoring.
+        """The completion's text for the reward: only the final stop token is cut.
+
+        Other special tokens stay in the text (skip_special_tokens=False): a
+        policy that pads its answer with <pad>/<bos> must not get them for
+        free. Ids outside the vocabulary come only from a broken sampler; the
+        row is dropped later (bad_rows), the text just must not crash scoring.
+        """
+        ids = list(ids)
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
         v = self.tokenizer.vocab_size
         return self.tokenizer.decode([i for i in ids if 0 <= i < v],
-                                     skip_special_tokens=True)
+                                     skip_special_tokens=False)
 
     def _sampling_params(self, seed: int, n: int):
         from rljax.sampling import SamplingParams
@@ -273,29 +324,75 @@ class Trainer:
                 factor=c.dapo.overlong_factor))
         return rewards, texts
 
+    def _sample_round(self, src: Source, examples, prompts, seed: int, stats):
+        """[(rows, rewards, texts, overflow_rows)] per example: single- or multi-turn."""
+        n = self.config.group_size
+        if not self.config.env.name:
+            with self._lock:
+                comps = self.sampler.generate(prompts, self._sampling_params(seed, n))
+            out = []
+            ts = time.perf_counter()
+            for gi, ex in enumerate(examples):
+                group = comps[gi * n:(gi + 1) * n]
+                rewards, texts = self._score(src, ex, group)
+                out.append(([rollout_lib.Row.from_completion(cc) for cc in group],
+                            rewards, texts, []))
+            stats["time_score"] += time.perf_counter() - ts
+            return out
+        episodes, ep_stats = self._episodes(src, examples, n, seed)
+        for k, v in ep_stats.items():
+            stats[k] = stats.get(k, 0) + v
+        stats.setdefault("_episodes", []).extend(episodes)
+        out = []
+        for gi in range(len(examples)):
+            eps = episodes[gi * n:(gi + 1) * n]
+            rewards = np.array([e.reward for e in eps], np.float32)
+            rows, overflow = [], []
+            for j, e in enumerate(eps):
+                # The last row is the group's row; rows closed by a prefix break
+                # train too, with the episode's advantage.
+                rows.append(e.row)
+                overflow += [(j, r) for r in e.closed_rows]
+            texts = [self._decode([t for t, m in zip(e.row.tokens, e.row.sampled) if m])
+                     for e in eps]
+            out.append((rows, rewards, texts, overflow))
+        return out
+
+    def _episodes(self, src: Source, examples, n, seed, greedy=False):
+        from rljax import envs
+        from rljax.train import multiturn
+        c = self.config
+
+        def params(turn):
+            base = self._sampling_params(seed * 131 + turn, 1)
+            return base.replace(temperature=0.0) if greedy else base
+
+        return multiturn.run_episodes(
+            examples=examples, n=n,
+            make_env=lambda: envs.get_env(c.env.name, src.task, max_turns=c.env.max_turns,
+                                          over_budget_reward=c.env.over_budget_reward,
+                                          **c.env.args.to_dict()),
+            render_messages=self._render_messages, sampler=_Locked(self.sampler, self._lock),
+            sampling_params=params, decode=self._decode, token_budget=c.env.token_budget,
+            max_row_tokens=c.env.max_row_tokens, version=self.version)
+
     def _sampled_groups(self, src: Source, g_target: int, pos: int, seed: int, stats):
         """`g_target` scored groups of `src` (DAPO: informative ones, bounded rounds)."""
         c = self.config
-        n = c.group_size
         # Dynamic sampling filters outcome groups; distillation has no reward signal to filter.
         dynamic = c.dapo.dynamic_sampling and src.algorithm != "opd"
         kept, filler, rounds = [], [], 0
         while True:
             rounds += 1
             examples, prompts, pos = self._next_examples(src, pos, g_target, stats)
-            with self._lock:
-                comps = self.sampler.generate(prompts, self._sampling_params(seed * 1009 + rounds, n))
-            ts = time.perf_counter()
-            for gi, ex in enumerate(examples):
-                group = comps[gi * n:(gi + 1) * n]
-                rewards, texts = self._score(src, ex, group)
+            for item in self._sample_round(src, examples, prompts, seed * 1009 + rounds, stats):
+                rewards = item[1]
                 informative = bool(np.all(np.isfinite(rewards)) and np.ptp(rewards) > 0)
                 if dynamic and not informative:
                     stats["filtered_groups"] += 1
-                    filler.append((group, rewards, texts))
+                    filler.append(item)
                 else:
-                    kept.append((group, rewards, texts))
-            stats["time_score"] += time.perf_counter() - ts
+                    kept.append(item)
             if not dynamic or len(kept) >= g_target or rounds >= c.dapo.max_sampling_rounds:
                 break
         stats["sampling_rounds"] = max(stats["sampling_rounds"], rounds)
@@ -322,7 +419,8 @@ class Trainer:
                 texts.append(str(ex.answer))
             rewards = np.array([src.task.reward(t, ex) for t, ex in
                                 zip(texts, examples[gi * n:(gi + 1) * n])], np.float32)
-            groups.append((group, rewards, texts))
+            groups.append(([rollout_lib.Row.from_completion(cc) for cc in group],
+                           rewards, texts, []))
         return groups, [True] * g_target, pos
 
     def collect(self, data_pos: dict, seed: int) -> Rollout:
@@ -350,11 +448,33 @@ class Trainer:
             active += act
             kind += [k] * (len(got) * n)
             source += [si] * (len(got) * n)
-        comps = [cc for group, _, _ in groups for cc in group]
-        rewards = np.concatenate([r for _, r, _ in groups])
-        texts = [t for _, _, ts_ in groups for t in ts_]
-        arrays = rollout_lib.assemble(comps, bucket=c.rollout.length_bucket, pad_id=self.pad_id)
+        rows = [r for grp in groups for r in grp[0]]
+        rewards = np.concatenate([grp[1] for grp in groups])
+        texts = [t for grp in groups for t in grp[2]]
+        # Rows closed by a multi-turn prefix break follow the groups, padded to
+        # whole pseudo-groups of n inactive-filled rows; each points at its episode.
+        episode = list(range(len(rows)))
+        overflow = [(gi * n + j, r) for gi, grp in enumerate(groups) for j, r in grp[3]]
+        stats["overflow_rows"] = len(overflow)
+        if overflow:
+            pad = (-len(overflow)) % n
+            filler_row = rollout_lib.Row(tokens=[self.pad_id], sampled=[0], logp=[0.0],
+                                         env=[0], rewards=[0.0], truncated=False,
+                                         version=self.version)
+            rows += [r for _, r in overflow] + [filler_row] * pad
+            episode += [p for p, _ in overflow] + [-1] * pad
+            rewards = np.concatenate([rewards, rewards[[p for p, _ in overflow]],
+                                      np.zeros(pad, np.float32)])
+            kind += [kind[p] for p, _ in overflow] + [KIND_RL] * pad
+            source += [source[p] for p, _ in overflow] + [0] * pad
+            texts += [texts[p] for p, _ in overflow] + [""] * pad
+        arrays = rollout_lib.assemble_rows(rows, bucket=c.rollout.length_bucket,
+                                           pad_id=self.pad_id)
+        episode = np.asarray(episode)
         active = np.repeat(active, n)
+        if len(episode) > len(active):
+            active = np.concatenate([active, episode[len(active):] >= 0])
+            active[len(groups) * n:] &= active[np.maximum(episode[len(groups) * n:], 0)]
         # A sampler that returns garbage (non-finite log-probs, ids outside the
         # vocabulary) loses those rows, counted, instead of poisoning the step.
         bad = rollout_lib.bad_rows(arrays, self.tokenizer.vocab_size)
@@ -365,9 +485,14 @@ class Trainer:
             arrays.behavior_logp[bad] = 0.0
             active = active & ~bad
         stats["bad_sampler_rows"] = int(bad.sum())
+        episodes = stats.pop("_episodes", None)
+        if episodes:
+            from rljax.train import multiturn
+            stats.update(multiturn.episode_metrics(episodes))
         stats["time_sample"] = time.perf_counter() - t0 - stats["time_score"]
         return Rollout(arrays=arrays, rewards=rewards, active=active, data_pos=data_pos,
-                       texts=texts, stats=stats, kind=np.asarray(kind), source=np.asarray(source))
+                       texts=texts, stats=stats, kind=np.asarray(kind), source=np.asarray(source),
+                       episode=episode, primary=len(groups) * n)
 
     # ------------------------------------------------------------- training
 
@@ -409,25 +534,51 @@ class Trainer:
         adv = jnp.zeros(mask.shape, jnp.float32)
         returns = None
         metrics = {}
+        primary = ro.primary or len(kind)
+        multiturn = bool(c.env.name)
+        token_rewards = jnp.asarray(a.token_rewards) if multiturn else None
         for si, src in enumerate(self.sources):
-            rows = np.nonzero((ro.source == si) & (kind == KIND_RL))[0]
+            rows = np.nonzero((ro.source[:primary] == si) & (kind[:primary] == KIND_RL))[0]
             if rows.size == 0:
                 continue
-            sl = slice(rows[0], rows[-1] + 1)  # a source's rows are contiguous
+            sl = slice(rows[0], rows[-1] + 1)  # a source's group rows are contiguous
             st = objective.rl_streams(
                 self._source_config(src), jnp.asarray(ro.rewards[sl]), rl_mask[sl],
                 old_logp_BxT=(old if old is not None else behavior)[sl],
                 ref_logp_BxT=None if ref is None else ref[sl],
-                values_BxT=None if values is None else values[sl])
+                values_BxT=None if values is None else values[sl],
+                token_rewards_BxT=None if token_rewards is None else token_rewards[sl])
             adv = adv.at[sl].set(st.advantages_BxT)
             rl_mask = rl_mask.at[sl].set(st.mask_BxT)
-            returns = st.returns_BxT
+            if st.returns_BxT is not None:
+                returns = jnp.zeros(mask.shape, jnp.float32).at[sl].set(st.returns_BxT)
             prefix = "" if len(self.sources) == 1 else f"{src.name}/"
             metrics.update({prefix + k: float(v) for k, v in st.metrics.items()})
+        if primary < len(kind):
+            # Multi-turn rows closed by a prefix break share their episode's
+            # (outcome) advantage; a critic's GAE cannot bridge the break, so
+            # under GAE they are dropped (counted).
+            ep = np.maximum(ro.episode[primary:], 0)
+            lens = jnp.maximum(jnp.sum(rl_mask[:primary], axis=1), 1.0)
+            row_adv = jnp.sum(adv[:primary], axis=1) / lens
+            extra_mask = rl_mask[primary:]
+            if c.advantage.estimator == "gae":
+                metrics["dropped_overflow_rows"] = int(np.sum(ro.episode[primary:] >= 0))
+                extra_mask = jnp.zeros_like(extra_mask)
+            rl_mask = rl_mask.at[primary:].set(extra_mask)
+            adv = adv.at[primary:].set(row_adv[ep][:, None] * extra_mask)
         ce_w = ref_kl_w = None
         if (kind == KIND_SFT).any():
             w = np.array([self.sources[i].ce_weight for i in ro.source], np.float32)
             ce_w = mask * jnp.asarray(w * (kind == KIND_SFT))[:, None]
+        echo = np.array([c.env.echo_weight if s.algorithm is None else
+                         (s.ce_weight if s.algorithm == "echo" else 0.0)
+                         for s in self.sources], np.float32)[ro.source]
+        if multiturn and echo.any():
+            # echo: cross-entropy on the environment's tokens after the first reply.
+            env_w = jnp.asarray(a.env_mask) * jnp.asarray(ro.active, jnp.float32)[:, None]
+            env_w = env_w * jnp.asarray(echo)[:, None]
+            ce_w = env_w if ce_w is None else ce_w + env_w
         if (kind == KIND_OPD).any():
             ref_kl_w = mask * jnp.asarray(kind == KIND_OPD, jnp.float32)[:, None]
             teacher = jnp.zeros(mask.shape, jnp.float32)
@@ -458,7 +609,7 @@ class Trainer:
         outs = []
         for _ in range(c.offpolicy.epochs):
             order = rng.permutation(groups) if mb > 1 else np.arange(groups)
-            for chunk in np.split(order, mb):
+            for chunk in np.array_split(order, mb):
                 rows = (chunk[:, None] * n + np.arange(n)[None, :]).reshape(-1)
                 # Axis 2 over the optimizer-step batch (this minibatch), per
                 # component, before the step splits it into micro-batches.

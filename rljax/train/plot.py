@@ -15,13 +15,13 @@ PANELS = [
 
 
 def plot_run(run_dir, out=None) -> str:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure: no pyplot backend switch, so a notebook's figures survive.
+    from matplotlib.figure import Figure
     rows = metrics_lib.read(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}/metrics.jsonl has no rows")
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    fig = Figure(figsize=(13, 7))
+    axes = fig.subplots(2, 3)
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["step"], r[key]) for r in rows
                if isinstance(r.get(key), (int, float))]
@@ -38,5 +38,4 @@ def plot_run(run_dir, out=None) -> str:
     fig.tight_layout()
     out = str(out or pathlib.Path(run_dir) / "curves.png")
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     return out

@@ -20,52 +20,95 @@ def bucket_length(n: int, bucket: int) -> int:
 
 
 @dataclasses.dataclass
+class Row:
+    """One training row before padding: the tokens and what each one is.
+
+    tokens: prompt, sampled turns and environment tokens, in order.
+    sampled: 1 on tokens the policy sampled (they train with `rl`).
+    logp: the sampler's log-prob of each sampled token (0 elsewhere).
+    env: 1 on environment tokens after the first reply (echo's `ce` targets).
+    rewards: per-token rewards (a turn's reward on its last sampled token).
+    """
+
+    tokens: list
+    sampled: list
+    logp: list
+    env: list
+    rewards: list
+    truncated: bool
+    version: int
+    routing: np.ndarray | None = None  # [len(tokens), L, K] experts per input token
+
+    @classmethod
+    def from_completion(cls, c) -> "Row":
+        p, n = len(c.prompt_ids), len(c.completion_ids)
+        routing = None
+        if c.routing is not None and c.prompt_routing is not None:
+            # Experts are indexed by the input token of each forward pass.
+            routing = np.zeros((p + n,) + c.routing.shape[1:], np.int32)
+            routing[:p] = c.prompt_routing
+            if n > 1:
+                routing[p:p + n - 1] = c.routing[1:]
+        return cls(tokens=list(c.prompt_ids) + list(c.completion_ids),
+                   sampled=[0] * p + [1] * n, logp=[0.0] * p + list(c.logprobs),
+                   env=[0] * (p + n), rewards=[0.0] * (p + n),
+                   truncated=c.finish_reason == "length", version=c.version, routing=routing)
+
+
+@dataclasses.dataclass
 class RolloutArrays:
     tokens: np.ndarray          # int32 [B, T]
     positions: np.ndarray       # int32 [B, T]
-    loss_mask: np.ndarray       # float32 [B, T]
+    loss_mask: np.ndarray       # float32 [B, T]: sampled tokens
     behavior_logp: np.ndarray   # float32 [B, T]
-    completion_len: np.ndarray  # int32 [B]
+    completion_len: np.ndarray  # int32 [B]: sampled tokens per row
     truncated: np.ndarray       # bool [B]: hit the limit without a stop token
     version: np.ndarray         # int32 [B]
     routing: np.ndarray | None  # int32 [B, T, L, K] (MoE replay) or None
+    env_mask: np.ndarray = None       # float32 [B, T]: env tokens after the first reply
+    token_rewards: np.ndarray = None  # float32 [B, T]: per-turn rewards (multi-turn)
 
 
 def assemble(completions: Sequence, *, bucket: int, pad_id: int,
              length: int | None = None) -> RolloutArrays:
-    """Pads completions into arrays of width `length` (default: bucketed max)."""
-    lens = [len(c.prompt_ids) + len(c.completion_ids) for c in completions]
+    """Pads single-turn completions into arrays (see assemble_rows)."""
+    return assemble_rows([Row.from_completion(c) for c in completions], bucket=bucket,
+                         pad_id=pad_id, length=length)
+
+
+def assemble_rows(rows: Sequence[Row], *, bucket: int, pad_id: int,
+                  length: int | None = None) -> RolloutArrays:
+    """Pads rows into arrays of width `length` (default: bucketed max)."""
+    lens = [len(r.tokens) for r in rows]
     t = length or bucket_length(max(lens), bucket)
     if max(lens) > t:
         raise ValueError(f"a row of {max(lens)} tokens does not fit width {t}")
-    b = len(completions)
+    b = len(rows)
     tokens = np.full((b, t), pad_id, np.int32)
-    mask = np.zeros((b, t), np.float32)
-    blogp = np.zeros((b, t), np.float32)
+    mask, blogp, env, rew = (np.zeros((b, t), np.float32) for _ in range(4))
     routing = None
-    first = completions[0]
-    if first.routing is not None and first.prompt_routing is not None:
-        routing = np.zeros((b, t) + first.routing.shape[1:], np.int32)
-    for i, c in enumerate(completions):
-        p, n = len(c.prompt_ids), len(c.completion_ids)
-        tokens[i, :p] = c.prompt_ids
-        tokens[i, p:p + n] = c.completion_ids
-        mask[i, p:p + n] = 1.0
-        blogp[i, p:p + n] = c.logprobs
+    if all(r.routing is not None for r in rows):
+        routing = np.zeros((b, t) + rows[0].routing.shape[1:], np.int32)
+    for i, r in enumerate(rows):
+        n = len(r.tokens)
+        tokens[i, :n] = r.tokens
+        mask[i, :n] = r.sampled
+        blogp[i, :n] = r.logp
+        env[i, :n] = r.env
+        rew[i, :n] = r.rewards
         if routing is not None:
-            # Experts are indexed by the input token of each forward pass.
-            routing[i, :p] = c.prompt_routing
-            if n > 1:
-                routing[i, p:p + n - 1] = c.routing[1:]
+            routing[i, :n] = r.routing
     return RolloutArrays(
         tokens=tokens,
         positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
         loss_mask=mask,
         behavior_logp=blogp,
-        completion_len=np.array([len(c.completion_ids) for c in completions], np.int32),
-        truncated=np.array([c.finish_reason == "length" for c in completions]),
-        version=np.array([c.version for c in completions], np.int32),
+        completion_len=mask.sum(axis=1).astype(np.int32),
+        truncated=np.array([r.truncated for r in rows]),
+        version=np.array([r.version for r in rows], np.int32),
         routing=routing,
+        env_mask=env,
+        token_rewards=rew,
     )
 
 

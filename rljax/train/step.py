@@ -164,6 +164,11 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
 
     def step(state: TrainState, batch: TrainBatch):
         mbs = batch.split(micro_batches)
+        if batch_sharding is not None:
+            # Keep rows, not micro-batches, on the batch axes: each scanned
+            # micro-batch is then split over every data-parallel device.
+            from rljax import parallel
+            mbs = jax.lax.with_sharding_constraint(mbs, parallel.microbatch_sharding(batch_sharding))
 
         def body(acc, mb):
             (loss, metrics), grads = grad_fn(state.params, mb)

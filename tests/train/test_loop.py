@@ -204,7 +204,8 @@ def test_train_step_guard_in_isolation():
 
 
 def test_ppo_trains_a_critic_alongside(tmp_path):
-    config = toy_config("ppo")
+    # The toy turns KL off; put PPO's KL-in-reward back to exercise the reference.
+    config = toy_config("ppo", **{"kl.placement": "reward", "kl.beta": 0.05})
     assert config.advantage.estimator == "gae" and config.kl.placement == "reward"
     trainer = loop.Trainer(config, tmp_path)
     critic0 = jax.tree.map(np.asarray, trainer.state.critic_params)
