@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from rljax import parallel
 from rljax.models.transformer import Decoder
 from rljax.sampling import decode as decode_lib
 from rljax.sampling import weights as weights_lib
@@ -103,12 +105,16 @@ class InProcessSampler:
       top_logprobs: also keep the N most likely tokens of every step (for the
         server's `logprobs=N`); a static shape, fixed per sampler.
       max_stop_ids: width of the per-row stop-token array (static shape).
+      mesh: generate sharded on this mesh (rljax.parallel.make_sampler_mesh, or
+        the trainer's): weights placed by `rules`, rows over `data`, KV-cache
+        heads over `tensor`; `update_weights` reshards whatever it is given.
+      rules: logical axis rules (default rljax.parallel.DEFAULT_RULES).
     """
 
     def __init__(self, model: Decoder, *, prompt_buckets: Sequence[int] | None = None,
                  completion_buckets: Sequence[int] | None = None, max_batch: int = 64,
                  batch_buckets: Sequence[int] | None = None, version: int = 0, top_logprobs: int = 0,
-                 max_stop_ids: int = 8):
+                 max_stop_ids: int = 8, mesh=None, rules=None):
         self.config = model.config
         ctx = self.config.max_seq_len
         default = _powers_of_two(min(16, ctx), ctx)
@@ -131,6 +137,10 @@ class InProcessSampler:
         if jax.tree.leaves(rest):
             raise ValueError(f"the model has non-parameter state, which the sampler cannot carry: {rest}")
         self._rest = rest
+        self.mesh = mesh
+        self.rules = parallel.DEFAULT_RULES if rules is None else tuple(rules)
+        if mesh is not None:
+            params = parallel.shard_params(params, mesh, self.rules)
         self._params = weights_lib.match_leaves(params, params)  # a private copy
         self.version = int(version)
         self.last_timing: dict[str, float] = {}
@@ -139,6 +149,9 @@ class InProcessSampler:
 
     def update_weights(self, state: Any, version: int) -> None:
         """Swaps in `state` (nnx.State of the params, or its pure dict) as `version`; no recompilation."""
+        # The trainer's weights may span other hosts' devices: gather them first;
+        # match_leaves then reshards onto this sampler's devices.
+        state = parallel.to_local(weights_lib.pure_params(state))
         self._params = weights_lib.match_leaves(self._params, state)
         self.version = int(version)
 
@@ -152,7 +165,30 @@ class InProcessSampler:
 
     def compiled_programs(self) -> int:
         """Programs compiled so far by the sampler's jitted prefill and decode (all samplers together)."""
-        return decode_lib.prefill_jit._cache_size() + decode_lib.decode_jit._cache_size()
+        return (decode_lib.prefill_jit._cache_size() + decode_lib.decode_jit._cache_size()
+                + _prefill_sharded_jit._cache_size() + _decode_sharded_jit._cache_size())
+
+    # ------------------------------------------------------------------ sharding
+
+    def _prefill(self, graphdef, params, prompt_BxP, prompt_len_B, *, cache_len):
+        if self.mesh is None:
+            return decode_lib.prefill_jit(graphdef, params, prompt_BxP, prompt_len_B, cache_len=cache_len)
+        put = self._rows
+        return _prefill_sharded_jit(graphdef, params, put(prompt_BxP), put(prompt_len_B), cache_len=cache_len,
+                                    mesh=self.mesh, rules=self.rules)
+
+    def _decode(self, graphdef, params, logits, cache, last_routing, *rows, max_new, n_top):
+        if self.mesh is None:
+            return decode_lib.decode_jit(graphdef, params, logits, cache, last_routing, *rows, max_new=max_new,
+                                         n_top=n_top)
+        return _decode_sharded_jit(graphdef, params, logits, cache, last_routing, *map(self._rows, rows),
+                                   max_new=max_new, n_top=n_top, mesh=self.mesh, rules=self.rules)
+
+    def _rows(self, x):
+        """`x` with its rows over the batch axes (replicated when they do not divide)."""
+        names = ("batch",) + (None,) * (x.ndim - 1)
+        spec = parallel.logical_to_spec(names, x.shape, self.mesh, self.rules)
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     # ------------------------------------------------------------------ sampling
 
@@ -215,14 +251,14 @@ class InProcessSampler:
             row_ids[b] = r.row_id % 2**32
 
         t0 = time.perf_counter()
-        logits, cache, prompt_routing, last_routing = decode_lib.prefill_jit(
+        logits, cache, prompt_routing, last_routing = self._prefill(
                 self.graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_len), cache_len=P + C)
         jax.block_until_ready(logits)
         t1 = time.perf_counter()
-        out = decode_lib.decode_jit(self.graphdef, params, logits, cache, last_routing, jnp.asarray(prompt_len),
-                                    jnp.asarray(seeds), jnp.asarray(row_ids), jnp.asarray(temperature),
-                                    jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(stop),
-                                    jnp.asarray(max_new), max_new=C, n_top=self.top_logprobs)
+        out = self._decode(self.graphdef, params, logits, cache, last_routing, jnp.asarray(prompt_len),
+                           jnp.asarray(seeds), jnp.asarray(row_ids), jnp.asarray(temperature),
+                           jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(stop),
+                           jnp.asarray(max_new), max_new=C, n_top=self.top_logprobs)
         out = jax.device_get(out)
         t2 = time.perf_counter()
         timing["prefill_s"] += t1 - t0
@@ -244,3 +280,28 @@ class InProcessSampler:
             results.append(RowResult(completion, out.top_ids_BxCxN[b, :k] if top else None,
                                      out.top_logp_BxCxN[b, :k] if top else None))
         return results
+
+
+def _constrain_cache(cache, mesh, rules):
+    """The KV cache pinned to rows over `data` and heads over `tensor` (where they divide)."""
+    def one(x, names):
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, parallel.logical_to_spec(names, x.shape, mesh, rules)))
+    kv = ("batch", "length", "kv_heads", "head_dim")
+    return type(cache)(k=tuple(one(x, kv) for x in cache.k), v=tuple(one(x, kv) for x in cache.v),
+                       lengths_B=one(cache.lengths_B, ("batch",)))
+
+
+def _prefill_sharded(graphdef, state, prompt_BxP, prompt_len_B, cache_len, mesh, rules):
+    out = decode_lib.prefill(graphdef, state, prompt_BxP, prompt_len_B, cache_len)
+    return (out[0], _constrain_cache(out[1], mesh, rules)) + tuple(out[2:])
+
+
+def _decode_sharded(graphdef, state, logits, cache, *args, max_new, n_top, mesh, rules):
+    return decode_lib.decode(graphdef, state, logits, _constrain_cache(cache, mesh, rules), *args,
+                             max_new=max_new, n_top=n_top)
+
+
+# Meshes and rules are static: one program per (mesh, shapes), like the unsharded jits.
+_prefill_sharded_jit = jax.jit(_prefill_sharded, static_argnames=("graphdef", "cache_len", "mesh", "rules"))
+_decode_sharded_jit = jax.jit(_decode_sharded, static_argnames=("graphdef", "max_new", "n_top", "mesh", "rules"))
