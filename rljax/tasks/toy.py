@@ -11,6 +11,7 @@ characters, so the whole toy pipeline needs no pretrained tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import numpy as np
@@ -49,13 +50,23 @@ class CharTokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Ids of ``text``; raises ValueError naming any unknown character."""
-        unknown = sorted(set(text) - set(self._id_of))
-        if unknown:
-            raise ValueError(
-                f"CharTokenizer: characters {unknown!r} are not in the "
-                f"vocabulary {self.chars!r}")
-        ids = [self._id_of[c] for c in text]
+        """Ids of ``text``; raises ValueError naming any unknown character.
+
+        The special tokens' own strings ("<eos>", ...) encode to their ids, as
+        in Hugging Face tokenizers, so a rendered conversation re-encodes to
+        the tokens that were sampled.
+        """
+        ids = []
+        for piece in re.split("(" + "|".join(map(re.escape, _SPECIALS)) + ")", text):
+            if piece in _SPECIALS:
+                ids.append(_SPECIALS.index(piece))
+                continue
+            unknown = sorted(set(piece) - set(self._id_of))
+            if unknown:
+                raise ValueError(
+                    f"CharTokenizer: characters {unknown!r} are not in the "
+                    f"vocabulary {self.chars!r}")
+            ids += [self._id_of[c] for c in piece]
         return [self.bos_token_id] + ids if add_bos else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -80,14 +91,17 @@ class CharTokenizer:
     def apply_chat_template(self, messages: Sequence[dict],
                             add_generation_prompt: bool = True,
                             tokenize: bool = False):
-        """The messages' contents concatenated; roles are ignored.
+        """The messages' contents concatenated; an assistant turn ends in "<eos>".
 
         ``add_generation_prompt`` is accepted for compatibility and changes
-        nothing: toy prompts end with their own "=" cue. With ``tokenize``
-        the ids are returned instead of the text.
+        nothing: toy prompts end with their own "=" cue. Closing assistant
+        turns with the EOS the model sampled keeps a re-rendered conversation
+        an exact token extension of what was generated (multi-turn rows).
+        With ``tokenize`` the ids are returned instead of the text.
         """
         del add_generation_prompt
-        text = "".join(m["content"] for m in messages)
+        text = "".join(m["content"] + (_SPECIALS[2] if m.get("role") == "assistant" else "")
+                       for m in messages)
         return self.encode(text) if tokenize else text
 
 

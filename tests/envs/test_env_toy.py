@@ -23,10 +23,16 @@ def test_two_turns_mean_reward_and_repeated_prompt():
     assert second.info["score"] == pytest.approx(2 / 3)
     assert first.reward + second.reward == pytest.approx((1 + 2 / 3) / 2)
 
-    # The whole conversation stays inside the toy tokenizer's vocabulary.
+    # The whole conversation stays inside the toy tokenizer's vocabulary, and
+    # each assistant turn ends in the EOS the model sampled, so the rendered
+    # conversation re-encodes to the sampled tokens.
     conversation = messages + [{"role": "assistant", "content": "cab"}]
-    conversation += first.observation + [{"role": "assistant", "content": "cax"}]
-    assert task.tokenizer().apply_chat_template(conversation) == "cab=cabcab=cax"
+    conversation += first.observation + [{"role": "assistant", "content": "cae"}]
+    tok = task.tokenizer()
+    text = tok.apply_chat_template(conversation)
+    assert text == "cab=cab<eos>cab=cae<eos>"
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    assert tok.encode(text).count(tok.eos_token_id) == 2
 
 
 def test_k_turns_and_budget():

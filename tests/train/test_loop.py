@@ -274,3 +274,51 @@ def test_mixed_sources_feed_each_component(tmp_path):
     assert met["loss_ref_kl"] != 0.0     # teacher and student differ
     assert np.isfinite(met["loss_rl"])
     trainer.checkpointer.close()
+
+
+def multiturn_config(recipe="grpo", **overrides):
+    c = runpy.run_path(str(ROOT / "configs" / "toy_multiturn.py"))["get_config"](recipe)
+    recipes.apply_overrides(c, **overrides)
+    return config_lib.validate(c)
+
+
+def test_multiturn_rows_keep_sampled_logprobs_and_mask_env_tokens(tmp_path):
+    config = multiturn_config(**{"env.echo_weight": 0.1})
+    trainer = loop.Trainer(config, tmp_path)
+    ro = trainer.collect(trainer.data_pos, seed=0)
+    a = ro.arrays
+    assert ro.stats["prefix_breaks"] == 0 and ro.stats["overflow_rows"] == 0
+    assert ro.stats["turns_per_episode"] == 2.0
+    assert a.tokens.shape[0] == config.rollout.prompts_per_step * config.group_size
+    eos = trainer.tokenizer.eos_token_id
+    for i in range(4):
+        ids = a.tokens[i]
+        sampled = a.loss_mask[i] > 0
+        env = a.env_mask[i] > 0
+        # prompt | answer 1 (+EOS) | repeated prompt (env) | answer 2
+        prompt = trainer.render(trainer.task.train_example(i // config.group_size))
+        np.testing.assert_array_equal(ids[:len(prompt)], prompt)
+        first_eos = int(np.argmax((ids == eos) & sampled)) if ((ids == eos) & sampled).any() else None
+        if first_eos is not None and env.any():
+            env_ids = ids[env]
+            np.testing.assert_array_equal(env_ids, prompt)  # the env repeats the prompt
+            assert np.all(~sampled[env]) and np.nonzero(env)[0][0] > first_eos
+    # The trainer's log-probs of sampled tokens, in context, are what the sampler recorded.
+    logp, _ = trainer.logprob_fn(trainer.state.params, jnp.asarray(a.tokens),
+                                 jnp.asarray(a.positions))
+    m = a.loss_mask > 0
+    np.testing.assert_allclose(np.asarray(logp)[m], a.behavior_logp[m], atol=1e-4)
+    met = trainer.train_on(ro, 0)
+    assert met["skipped"] == 0 and met["loss_ce"] > 0  # echo on env tokens
+    trainer.checkpointer.close()
+
+
+@pytest.mark.slow
+def test_toy_multiturn_learns(tmp_path):
+    summary = loop.train(multiturn_config(), tmp_path)
+    rows = [r for r in metrics_lib.read(tmp_path) if "reward_mean" in r]
+    first = np.mean([r["reward_mean"] for r in rows[:10]])
+    last = np.mean([r["reward_mean"] for r in rows[-20:]])
+    assert last > first + 0.1, (first, last)
+    assert summary["eval_after"]["eval_reward"] > summary["eval_before"]["eval_reward"] + 0.15
+    assert all(r["turns_per_episode"] == 2.0 for r in rows)
