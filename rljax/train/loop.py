@@ -640,6 +640,12 @@ class Trainer:
         """Held-out reward and accuracy with greedy decoding."""
         from rljax.sampling import SamplingParams
         examples = self.task.eval_split(self.config.task.eval_size)
+        if self.config.env.name:  # whole greedy episodes, scored by their return
+            main = Source("eval", self.task, None)
+            episodes, _ = self._episodes(main, examples, 1, seed=0, greedy=True)
+            rewards = np.array([e.reward for e in episodes])
+            return {"eval_reward": float(np.mean(rewards)),
+                    "eval_accuracy": float(np.mean(rewards >= 1.0 - 1e-6))}
         prompts = [self.render(ex) for ex in examples]
         params = SamplingParams(max_new_tokens=self.config.max_tokens, temperature=0.0,
                                 stop_token_ids=self.stop_ids, n=1, seed=0)
