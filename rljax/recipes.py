@@ -163,8 +163,8 @@ def describe(name: str) -> Recipe:
     return _RECIPES[name]
 
 
-def check_key(c: ml_collections.ConfigDict, key: str) -> None:
-    """Raises ValueError unless dotted `key` names a field of `c`."""
+def _parent(c: ml_collections.ConfigDict, key: str):
+    """(section, leaf) of dotted `key`; ValueError naming a missing section."""
     *path, leaf = key.split(".")
     node = c
     for i, part in enumerate(path):
@@ -173,29 +173,26 @@ def check_key(c: ml_collections.ConfigDict, key: str) -> None:
             raise ValueError(f"unknown config key {key!r}: {where} has no section "
                              f"{part!r}; valid: {', '.join(sorted(node.keys()))}")
         node = node[part]
+    return node, leaf
+
+
+def check_key(c: ml_collections.ConfigDict, key: str) -> None:
+    """Raises ValueError unless dotted `key` names a field of `c`."""
+    node, leaf = _parent(c, key)
     if leaf not in node:
-        where = ".".join(path) or "config"
+        where = key.rpartition(".")[0] or "config"
         raise ValueError(f"unknown config key {key!r}; valid keys of {where}: "
                          f"{', '.join(sorted(node.keys()))}")
 
 
 def _set(c: ml_collections.ConfigDict, key: str, value: Any) -> None:
-    *path, leaf = key.split(".")
-    node = c
-    for i, part in enumerate(path):
-        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            where = ".".join(path[:i]) or "config"
-            raise ValueError(f"unknown config key {key!r}: {where} has no section "
-                             f"{part!r}; valid: {', '.join(sorted(node.keys()))}")
-        node = node[part]
     if isinstance(value, dict):
+        _parent(c, key + ".x")  # the section itself must exist
         for k, v in value.items():
             _set(c, f"{key}.{k}", v)
         return
-    if leaf not in node:
-        where = ".".join(path) or "config"
-        raise ValueError(f"unknown config key {key!r}; valid keys of {where}: "
-                         f"{', '.join(sorted(node.keys()))}")
+    check_key(c, key)
+    node, leaf = _parent(c, key)
     try:
         node[leaf] = value
     except TypeError as e:
