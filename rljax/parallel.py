@@ -222,6 +222,22 @@ def microbatch_sharding(sharding: Any) -> Any:
                         is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def compute_shardings(sharding: Any, gathered: Sequence[str] = ("fsdp",)) -> Any:
+    """`sharding` (a tree of NamedShardings) without the `gathered` axes: the weights' layout
+    for compute. FSDP stores weights split over `fsdp` and all-gathers them for the
+    forward and backward pass (ZeRO-3); tensor and expert splits stay."""
+
+    def one(s: NamedSharding) -> NamedSharding:
+        spec = []
+        for entry in s.spec:
+            axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+            axes = [a for a in axes if a not in gathered]
+            spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        return NamedSharding(s.mesh, P(*spec))
+
+    return jax.tree.map(one, sharding, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def is_sharded(sharding: NamedSharding) -> bool:
     """True when the array is split over at least one mesh axis larger than one."""
     return not sharding.is_fully_replicated

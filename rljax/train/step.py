@@ -142,7 +142,19 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
     """
     temperature = config.rollout.temperature if "rollout" in config else 1.0
 
+    # FSDP: weights are stored sharded over `fsdp` and gathered for compute (their
+    # gradients reduce-scattered back); left to propagation, the compiler would
+    # shard activations like the weights and replicate them to reshard.
+    gather = critic_gather = None
+    if state_sharding is not None:
+        from rljax import parallel
+        gather = parallel.compute_shardings(state_sharding.params)
+        if critic_graphdef is not None:
+            critic_gather = parallel.compute_shardings(state_sharding.critic_params)
+
     def loss_fn(params, mb: TrainBatch):
+        if gather is not None:
+            params = jax.lax.with_sharding_constraint(params, gather)
         model = nnx.merge(graphdef, params)
         logp, ent = logprobs_lib.sequence_logprobs(
             model, mb.tokens, mb.positions, routing_BxTxLxK=mb.routing,
@@ -156,6 +168,8 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def critic_fn(params, mb: TrainBatch):
+        if critic_gather is not None:
+            params = jax.lax.with_sharding_constraint(params, critic_gather)
         critic = nnx.merge(critic_graphdef, params)
         return critic_loss(config, values_on_token_grid(critic, mb.tokens, mb.positions), mb)
 
