@@ -9,6 +9,8 @@ tool call, which is scored by the task's exact reward, or the turn limit.
 import pathlib
 import runpy
 
+import ml_collections
+
 _BASE = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
 
@@ -21,6 +23,8 @@ def get_config(recipe: str = "grpo"):
     c.optim.lr = 1e-5
     c.rollout.prompts_per_step = 4
     c.task.name = "arithmetic"
+    c.task.args = ml_collections.ConfigDict(dict(max_value=99, operators="+-"))
+    c.task.system_prompt = ""  # the calculator environment brings its own
     c.task.eval_size = 32
     c.env.name = "calculator"
     c.env.max_turns = 3

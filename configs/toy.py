@@ -10,6 +10,8 @@ suite's learning test trains it and asserts the reward rises.
 import pathlib
 import runpy
 
+import ml_collections
+
 _BASE = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
 
@@ -26,10 +28,8 @@ def get_config(recipe: str = "grpo"):
     c.rollout.prompts_per_step = 8
     c.rollout.length_bucket = 16
     c.task.name = "toy_copy"
-    with c.task.args.unlocked():
-        c.task.args.alphabet = "abcd"
-        c.task.args.min_len = 2
-        c.task.args.max_len = 4
+    c.task.args = ml_collections.ConfigDict(dict(alphabet="abcd", min_len=2, max_len=4))
+    c.task.system_prompt = ""
     c.task.eval_size = 24            # of 336 strings, ~10% are held out
     c.train.checkpoint_every = 50
     return c

@@ -59,6 +59,11 @@ class ArithmeticTask(Task):
       operators: the operators to draw from, a subset of "+-*".
       allow_negative: if False, redraw expressions whose value is negative.
       strict: answer-parsing rule for the reward (see ``reward``).
+      format_weight: with ``strict=False``, the share of the reward that also
+        needs the strict format: a correct answer buried in text scores
+        ``1 - format_weight``, the bare number 1.0. Accuracy (reward 1.0)
+        then means strict accuracy, while a correct-but-verbose answer
+        still carries signal. 0.0 (default) is the plain lenient rule.
     """
 
     name = "arithmetic"
@@ -69,6 +74,7 @@ class ArithmeticTask(Task):
     operators: str = "+-"
     allow_negative: bool = True
     strict: bool = False
+    format_weight: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
@@ -79,6 +85,10 @@ class ArithmeticTask(Task):
             raise ValueError(
                 f"arithmetic: need 0 <= min_value <= max_value, got "
                 f"{self.min_value}, {self.max_value}")
+        if not 0.0 <= self.format_weight <= 1.0 or (self.strict and self.format_weight):
+            raise ValueError(
+                f"arithmetic: format_weight must be in [0, 1] and needs strict=False, "
+                f"got {self.format_weight} with strict={self.strict}")
         if not self.operators or set(self.operators) - set(_OPERATORS):
             raise ValueError(
                 f"arithmetic: operators must be a non-empty subset of "
@@ -105,9 +115,17 @@ class ArithmeticTask(Task):
             f"this config needs allow_negative=True")
 
     def _reward(self, completion: str, example: Example) -> float:
+        if self.format_weight:
+            lenient = reward(completion, example, strict=False)
+            strict = reward(completion, example, strict=True)
+            return (1.0 - self.format_weight) * lenient + self.format_weight * strict
         return reward(completion, example, strict=self.strict)
 
     def reward_rule(self) -> str:
+        if self.format_weight:
+            return (f"{1 - self.format_weight:g} iff the last number (lenient rule) "
+                    f"is the exact value, plus {self.format_weight:g} iff the "
+                    "completion is just that number (strict rule)")
         if self.strict:
             return ("1.0 iff the completion is just the exact integer value "
                     "(whitespace, markdown/quote decoration, a trailing "

@@ -15,8 +15,14 @@ from rljax import recipes
 def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Adds model, optimizer, rollout, task, sampler and loop sections to `c`."""
     with c.unlocked():
+        # The defaults are the main job (`rljax train` with no flags): GRPO on
+        # SmolLM2-135M-Instruct, arithmetic with an exact "just the number"
+        # reward, sized for about ten minutes on 2 CPU cores.
         c.seed = 0                 # seeds init, data order, sampling
-        c.steps = 40               # optimizer-step batches (rollout rounds)
+        c.steps = 10               # optimizer-step batches (rollout rounds)
+        c.max_tokens = 12          # room for "a + b = c" and EOS; the number alone is 3
+        c.group_size = 8
+        c.dapo.overlong_buffer = 4
 
         c.model = ml_collections.ConfigDict()
         c.model.source = "smollm2-135m-instruct"  # GGUF / HF dir / preset name (random init)
@@ -26,7 +32,7 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.model.chunk_size = 256                 # log-prob chunk over the sequence
 
         c.optim = ml_collections.ConfigDict()
-        c.optim.lr = 1e-6
+        c.optim.lr = 2e-5
         c.optim.schedule = "constant"   # constant | cosine (decays to lr * min_ratio)
         c.optim.warmup_steps = 0
         c.optim.min_ratio = 0.1
@@ -36,7 +42,7 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.optim.grad_clip = 1.0         # global-norm clip; 0 turns it off
 
         c.rollout = ml_collections.ConfigDict()
-        c.rollout.prompts_per_step = 8      # G groups per step; B = G * group_size
+        c.rollout.prompts_per_step = 4      # G groups per step; B = G * group_size
         c.rollout.temperature = 1.0         # sampling and trainer log-probs use it
         c.rollout.top_p = 1.0
         c.rollout.top_k = 0                 # 0: off
@@ -45,10 +51,14 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
 
         c.task = ml_collections.ConfigDict()
         c.task.name = "arithmetic"          # see rljax.tasks.task_names()
-        c.task.args = ml_collections.ConfigDict()  # the task's own fields
+        # The task's own fields; a config for another task replaces the whole dict.
+        c.task.args = ml_collections.ConfigDict(
+            dict(max_value=30, operators="+"))
         c.task.reward_fn = ""               # "module:function" replaces the reward
-        c.task.system_prompt = ""           # replaces the task's / template's default
+        c.task.system_prompt = "You are a calculator. Reply with only the number."
+        # (replaces the task's / chat template's default; "" keeps it)
         c.task.eval_size = 64               # held-out prompts, greedy decoding
+        c.task.eval_samples = 4             # also: samples per prompt at the rollout temperature
 
         # Mixed batches: name -> source(...). Empty: one source, `task`, with
         # the recipe's own estimator.

@@ -647,14 +647,23 @@ class Trainer:
             return {"eval_reward": float(np.mean(rewards)),
                     "eval_accuracy": float(np.mean(rewards >= 1.0 - 1e-6))}
         prompts = [self.render(ex) for ex in examples]
-        params = SamplingParams(max_new_tokens=self.config.max_tokens, temperature=0.0,
-                                stop_token_ids=self.stop_ids, n=1, seed=0)
-        with self._lock:
-            comps = self.sampler.generate(prompts, params)
-        rewards = np.array([self.task.reward(self._decode(cc.completion_ids), ex)
-                            for cc, ex in zip(comps, examples)])
-        return {"eval_reward": float(np.mean(rewards)),
-                "eval_accuracy": float(np.mean(rewards >= 1.0))}
+        out = {}
+        k = self.config.task.eval_samples
+        # Greedy decoding, and (eval_samples > 0) k samples per prompt at the
+        # rollout temperature: the distribution RL actually optimises.
+        for prefix, temperature, n in [("eval", 0.0, 1), ("eval_sampled", None, k)]:
+            if n <= 0:
+                continue
+            params = self._sampling_params(seed=12345, n=n)
+            if temperature is not None:
+                params = params.replace(temperature=temperature)
+            with self._lock:
+                comps = self.sampler.generate(prompts, params)
+            rewards = np.array([self.task.reward(self._decode(cc.completion_ids), ex)
+                                for cc, ex in zip(comps, np.repeat(examples, n))])
+            out[f"{prefix}_reward"] = float(np.mean(rewards))
+            out[f"{prefix}_accuracy"] = float(np.mean(rewards >= 1.0))
+        return out
 
     # ------------------------------------------------------------------ run
 

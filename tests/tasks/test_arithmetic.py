@@ -128,3 +128,18 @@ def test_unsatisfiable_nonnegative_config_fails_clearly():
                           min_value=5, max_value=5, allow_negative=False)
     with pytest.raises(ValueError, match="allow_negative"):
         task.train_example(0)
+
+
+def test_format_weight_mixes_lenient_and_strict():
+    from rljax.tasks import get_task
+    task = get_task("arithmetic", format_weight=0.5)
+    ex = task.train_example(0)
+    value = ex.answer
+    # Bare number: both rules pass -> 0.5 + 0.5; buried in text: lenient only.
+    assert task.reward(f"{value}", ex) == 1.0
+    assert task.reward(f"The sum is {value}", ex) == 0.5
+    assert task.reward(f"{value + 1}", ex) == 0.0
+    with pytest.raises(ValueError, match="format_weight"):
+        get_task("arithmetic", format_weight=0.5, strict=True)
+    with pytest.raises(ValueError, match="format_weight"):
+        get_task("arithmetic", format_weight=1.5)
