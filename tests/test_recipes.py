@@ -154,3 +154,14 @@ def test_public_api():
     for name in ["compute_advantages", "token_weights", "policy_loss", "recipes",
                  "TrainBatch"]:
         assert name in rljax.__all__ and hasattr(rljax, name)
+
+
+def test_load_run_config_replaces_free_form_sections(tmp_path):
+    """A saved toy run reloads with its own task args, not the main job's."""
+    import runpy
+    toy = runpy.run_path(str(ROOT / "configs" / "toy.py"))["get_config"]()
+    (tmp_path / "config.json").write_text(toy.to_json_best_effort())
+    loaded = config_lib.load_run_config(tmp_path)
+    assert config_lib.get_config().task.args.to_dict() != toy.task.args.to_dict()
+    assert loaded.task.args.to_dict() == toy.task.args.to_dict()
+    assert loaded.to_dict() == toy.to_dict()

@@ -230,3 +230,32 @@ def _validate_mesh(c: ml_collections.ConfigDict, rows_per_micro_batch: int) -> N
             f"a micro-batch of {rows_per_micro_batch} rows cannot be split over the batch axes "
             f"({'x'.join(map(str, split))} = {math.prod(split)} devices); change "
             f"rollout.prompts_per_step, group_size, offpolicy.minibatches or train.micro_batches")
+
+
+# Free-form sections: their keys belong to the task / environment / sources
+# the run chose, so a saved run replaces them whole instead of merging.
+_FREE_FORM = ("args", "sources")
+
+
+def _overlay(node: ml_collections.ConfigDict, values: dict) -> None:
+    for key, value in values.items():
+        if (isinstance(value, dict) and key not in _FREE_FORM
+                and isinstance(node.get(key), ml_collections.ConfigDict)):
+            _overlay(node[key], value)
+        else:
+            with node.unlocked():
+                node[key] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
+
+
+def load_run_config(run_dir) -> ml_collections.ConfigDict:
+    """A run directory's config.json over today's defaults of its recipe.
+
+    Fields added to rljax after the run keep their defaults; everything the run
+    recorded wins. Read-only: nothing in `run_dir` changes. Locked, validated.
+    """
+    import json
+    import pathlib
+    saved = json.loads((pathlib.Path(run_dir) / "config.json").read_text())
+    config = get_config(saved.get("recipe", "grpo"))
+    _overlay(config, saved)
+    return validate(config)
