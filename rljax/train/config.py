@@ -19,7 +19,7 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         # SmolLM2-135M-Instruct, arithmetic with an exact "just the number"
         # reward, sized for about ten minutes on 2 CPU cores.
         c.seed = 0                 # seeds init, data order, sampling
-        c.steps = 10               # optimizer-step batches (rollout rounds)
+        c.steps = 12               # optimizer-step batches (rollout rounds)
         c.max_tokens = 12          # room for "a + b = c" and EOS; the number alone is 3
         c.group_size = 8
         c.dapo.overlong_buffer = 4
@@ -32,7 +32,7 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.model.chunk_size = 256                 # log-prob chunk over the sequence
 
         c.optim = ml_collections.ConfigDict()
-        c.optim.lr = 2e-5
+        c.optim.lr = 1e-5
         c.optim.schedule = "constant"   # constant | cosine (decays to lr * min_ratio)
         c.optim.warmup_steps = 0
         c.optim.min_ratio = 0.1
