@@ -76,6 +76,7 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.sampler = ml_collections.ConfigDict()
         c.sampler.kind = "inprocess"        # inprocess | remote
         c.sampler.url = ""                  # remote: base URL of `rljax serve`
+        c.sampler.sync_dir = ""             # remote: weights dir the server reads ("": <workdir>/sampler_sync)
         c.sampler.ahead = 0                 # async: batches generated ahead (0: sync)
 
         c.critic = ml_collections.ConfigDict()   # PPO (advantage.estimator='gae')

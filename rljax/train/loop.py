@@ -102,10 +102,16 @@ def build_policy(config, task, mesh=None, rules=parallel.DEFAULT_RULES):
                                    compute_dtype=m.compute_dtype, remat=m.remat)
 
 
-def build_sampler(config, model, rules=parallel.DEFAULT_RULES):
+def build_sampler(config, model, rules=parallel.DEFAULT_RULES, sync_dir=None):
+    """In-process sampler, or a client of `rljax serve` / vLLM at sampler.url.
+
+    Remote weights travel as orbax checkpoints in `sampler.sync_dir` (default
+    `<workdir>/sampler_sync`), a directory the server must be able to read.
+    """
     from rljax import sampling
     if config.sampler.kind == "remote":
-        return sampling.RemoteSampler(config.sampler.url)
+        return sampling.RemoteSampler(config.sampler.url,
+                                      sync_dir=config.sampler.sync_dir or sync_dir)
     if jax.device_count() == 1:
         return sampling.InProcessSampler(model)
     # Its own (data, tensor) mesh over this process's devices; weights are
@@ -182,7 +188,8 @@ class Trainer:
                                                local_outputs=True)
         # The reference policy is the initial one, frozen.
         self.ref_params = jax.tree.map(jnp.copy, params) if self._needs_ref() else None
-        self.sampler = sampler if sampler is not None else build_sampler(config, model, self.rules)
+        self.sampler = sampler if sampler is not None else build_sampler(
+            config, model, self.rules, sync_dir=str(self.workdir / "sampler_sync"))
         self.train_step = parallel.ShardedFn(step_lib.make_train_step(
             config, self.graphdef, self.optimizer,
             micro_batches=config.train.micro_batches, chunk_size=config.model.chunk_size,

@@ -322,3 +322,14 @@ def test_toy_multiturn_learns(tmp_path):
     assert last > first + 0.1, (first, last)
     assert summary["eval_after"]["eval_reward"] > summary["eval_before"]["eval_reward"] + 0.15
     assert all(r["turns_per_episode"] == 2.0 for r in rows)
+
+
+def test_remote_sampler_is_built_with_a_sync_dir(tmp_path):
+    """sampler.kind=remote: weights travel through <workdir>/sampler_sync by default."""
+    from rljax import sampling
+    config = toy_config(**{"sampler.kind": "remote", "sampler.url": "http://127.0.0.1:9"})
+    s = loop.build_sampler(config, None, sync_dir=str(tmp_path / "sync"))
+    assert isinstance(s, sampling.RemoteSampler)
+    assert str(s.sync_dir) == str(tmp_path / "sync")
+    with pytest.raises(ValueError, match="sampler.url"):
+        toy_config(**{"sampler.kind": "remote"})
