@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import re
 from typing import ClassVar, Optional
 
 from rljax.envs.base import Environment, StepResult, make_info, user_message

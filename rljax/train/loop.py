@@ -521,11 +521,10 @@ class Trainer:
         c = self.config
         a = ro.arrays
         mask = a.loss_mask * ro.active[:, None]
-        keep = offpolicy.staleness_keep(a.version, self.version, c.offpolicy.max_staleness)
-        keep = keep & offpolicy.truncation_keep(a.truncated, c.offpolicy.mask_truncated)
+        fresh = offpolicy.staleness_keep(a.version, self.version, c.offpolicy.max_staleness)
+        keep = fresh & offpolicy.truncation_keep(a.truncated, c.offpolicy.mask_truncated)
         mask, dropped = offpolicy.apply_row_filter(jnp.asarray(mask), keep)
-        stale = int(jnp.sum(~offpolicy.staleness_keep(a.version, self.version,
-                                                      c.offpolicy.max_staleness)))
+        stale = int(jnp.sum(~fresh))
         tokens = jnp.asarray(a.tokens)
         positions = jnp.asarray(a.positions)
         behavior = jnp.asarray(a.behavior_logp)
@@ -644,8 +643,7 @@ class Trainer:
     # ----------------------------------------------------------------- eval
 
     def evaluate(self) -> dict:
-        """Held-out reward and accuracy with greedy decoding."""
-        from rljax.sampling import SamplingParams
+        """Held-out reward and accuracy: greedy, and sampled at the rollout temperature."""
         examples = self.task.eval_split(self.config.task.eval_size)
         if self.config.env.name:  # whole greedy episodes, scored by their return
             main = Source("eval", self.task, None)

@@ -18,7 +18,6 @@ from rljax import recipes
 from rljax.train import config as config_lib
 from rljax.train import loop
 from rljax.train import metrics as metrics_lib
-from rljax.train import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -80,7 +79,7 @@ def test_killed_run_resumes_on_the_same_trajectory(tmp_path):
     out = subprocess.run(_run_cli(killed, 6), check=True, env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     summary = json.loads(out.stdout[:out.stdout.rindex("}") + 1])
-    assert summary["start_step"] in (3, 6) or summary["start_step"] >= 3
+    assert summary["start_step"] in (3, 6)  # from a checkpoint, not from scratch
     a = {r["step"]: r for r in metrics_lib.read(full) if "reward_mean" in r}
     b = {r["step"]: r for r in metrics_lib.read(killed) if "reward_mean" in r}
     assert sorted(b) == [1, 2, 3, 4, 5, 6]  # no step twice, none missing
@@ -182,10 +181,9 @@ def test_async_generation_runs_ahead_within_staleness(tmp_path):
     config = toy_config(steps=5, **{"sampler.ahead": 2, "offpolicy.max_staleness": 1})
     summary = loop.train(config, tmp_path)
     rows = [r for r in metrics_lib.read(tmp_path) if "reward_mean" in r]
-    assert len(rows) == 5 and summary["eval_after"]["eval_reward"] >= 0
+    assert len(rows) == 5 and "eval_reward" in summary["eval_after"]
     # Rows sampled more than one version ago were dropped and counted.
     for r in rows:
-        assert r["staleness"] >= 0
         if r["staleness"] > 1:
             assert r["stale_rows"] > 0
     assert any(r["staleness"] > 0 for r in rows)  # it really ran ahead
@@ -291,18 +289,21 @@ def test_multiturn_rows_keep_sampled_logprobs_and_mask_env_tokens(tmp_path):
     assert ro.stats["turns_per_episode"] == 2.0
     assert a.tokens.shape[0] == config.rollout.prompts_per_step * config.group_size
     eos = trainer.tokenizer.eos_token_id
-    for i in range(4):
+    for i in range(a.tokens.shape[0]):
         ids = a.tokens[i]
         sampled = a.loss_mask[i] > 0
         env = a.env_mask[i] > 0
         # prompt | answer 1 (+EOS) | repeated prompt (env) | answer 2
         prompt = trainer.render(trainer.task.train_example(i // config.group_size))
         np.testing.assert_array_equal(ids[:len(prompt)], prompt)
-        first_eos = int(np.argmax((ids == eos) & sampled)) if ((ids == eos) & sampled).any() else None
-        if first_eos is not None and env.any():
-            env_ids = ids[env]
-            np.testing.assert_array_equal(env_ids, prompt)  # the env repeats the prompt
-            assert np.all(~sampled[env]) and np.nonzero(env)[0][0] > first_eos
+        assert env.any()  # every episode has two turns, so env tokens between them
+        start = int(np.nonzero(env)[0][0])
+        answer1 = ids[len(prompt):start][sampled[len(prompt):start]]
+        assert len(answer1) > 0 and np.all(~sampled[env])
+        # The env repeats the prompt; a first answer cut by the token limit is
+        # closed by the template's <eos>, which is then an environment token.
+        want = list(prompt) if answer1[-1] == eos else [eos] + list(prompt)
+        np.testing.assert_array_equal(ids[env], want)
     # The trainer's log-probs of sampled tokens, in context, are what the sampler recorded.
     logp, _ = trainer.logprob_fn(trainer.state.params, jnp.asarray(a.tokens),
                                  jnp.asarray(a.positions))
