@@ -43,12 +43,14 @@ import glob
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import NamedTuple, Optional, Sequence
 
 from rljax.envs import seccomp
@@ -58,6 +60,7 @@ INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install -y "
                 "bubblewrap)")
 TMPFS_BYTES = 8 << 20
 _STDERR_BYTES = 4096
+_REAP_TIMEOUT_S = 10.0
 # Extension modules whose libraries are left out: Tk needs a display.
 _SKIPPED_EXTENSIONS = ("_tkinter",)
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
@@ -81,8 +84,9 @@ class Plan:
       binds: (source as bwrap sees it, destination inside) read-only binds.
       masked: directories inside a bound one that are hidden by an empty,
         read-only tmpfs (site-packages).
-      launcher: argv put before bwrap (``nsenter ...`` when root).
-      keep_fds: descriptors the launcher needs passed through.
+      nsenter: for a root caller, nsenter, which enters ``mount_ns`` and
+        switches to uid/gid 65534 before it executes bwrap; else None.
+      mount_ns: descriptor of the staging mount namespace (root), or None.
       arch: CPU architecture, for the seccomp program.
       outer_uid: the uid the sandbox has outside its user namespace.
     """
@@ -91,8 +95,8 @@ class Plan:
     interpreter: str
     binds: tuple[tuple[str, str], ...]
     masked: tuple[str, ...]
-    launcher: tuple[str, ...]
-    keep_fds: tuple[int, ...]
+    nsenter: Optional[str]
+    mount_ns: Optional[int]
     arch: str
     outer_uid: int
 
@@ -251,22 +255,33 @@ def build_plan(bwrap: Optional[str]) -> Plan:
     paths, masked = _bind_list(interpreter)
     if os.getuid() != 0:
         return Plan(bwrap, interpreter, tuple((p, p) for p in paths),
-                    tuple(masked), (), (), arch, os.getuid())
+                    tuple(masked), None, None, arch, os.getuid())
     nsenter = shutil.which("nsenter")
     if nsenter is None:
         raise _unavailable("a root caller needs nsenter (Debian package "
                            "util-linux) to run the sandbox as uid 65534")
     stage, mount_ns = _stage_for_root(paths)
-    launcher = (nsenter, f"--mount=/proc/self/fd/{mount_ns}",
-                f"--setuid={SANDBOX_UID}", f"--setgid={SANDBOX_UID}", "--")
     return Plan(bwrap, interpreter, tuple((stage + p, p) for p in paths),
-                tuple(masked), launcher, (mount_ns,), arch, SANDBOX_UID)
+                tuple(masked), nsenter, mount_ns, arch, SANDBOX_UID)
+
+
+def _launcher(plan: Plan) -> list[str]:
+    """What runs bwrap: nothing, or nsenter for a root caller.
+
+    nsenter opens the namespace through this process's descriptor table
+    (``/proc/PID/fd/N``, the descriptor stays close-on-exec), so the
+    sandbox never inherits a descriptor of the staging namespace.
+    """
+    if plan.nsenter is None:
+        return []
+    return [plan.nsenter, f"--mount=/proc/{os.getpid()}/fd/{plan.mount_ns}",
+            f"--setuid={SANDBOX_UID}", f"--setgid={SANDBOX_UID}", "--"]
 
 
 def bwrap_argv(plan: Plan, *, tmpfs_bytes: int,
                seccomp_fd: Optional[int]) -> list[str]:
     """The launcher + bwrap part of the command line (up to ``--``)."""
-    argv = [*plan.launcher, plan.bwrap,
+    argv = [*_launcher(plan), plan.bwrap,
             "--unshare-user", "--unshare-pid", "--unshare-net",
             "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
             "--disable-userns", "--uid", str(SANDBOX_UID),
@@ -287,18 +302,52 @@ def bwrap_argv(plan: Plan, *, tmpfs_bytes: int,
     return argv
 
 
-def _kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL to bwrap's process group; its pid 1 dies, and the namespace.
+def _read_until_eof(fd: int, deadline: float) -> bytes:
+    """What bwrap writes on its info descriptor (it closes it right after)."""
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return b""  # bwrap is stuck before its child exists; not parsed.
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
-    The sandboxed program itself runs in a new session inside, so it cannot
-    be reached by the group signal, but it dies with pid 1 (the kernel
-    kills a pid namespace whose init exits) or through --die-with-parent.
+
+def _open_init(info: bytes) -> Optional[int]:
+    """A pidfd on the sandbox's pid 1, from bwrap's info JSON, or None.
+
+    Opened while bwrap (its parent, which alone reaps it) still runs, so the
+    pid cannot have been reused; the pidfd then names that process only.
+    """
+    try:
+        return os.pidfd_open(int(json.loads(info)["child-pid"]))
+    except (ValueError, KeyError, TypeError, ProcessLookupError):
+        return None  # bwrap failed before it started a child.
+
+
+def _kill_tree(process: subprocess.Popen, init_pidfd: Optional[int]) -> None:
+    """SIGKILL to bwrap and the sandbox's pid 1; returns once all are gone.
+
+    When pid 1 of a pid namespace exits, the kernel kills every process in
+    the namespace and reaps them before pid 1's own exit is reported, so a
+    readable pidfd of pid 1 means nothing in the sandbox is left.
     """
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # Already gone.
     process.wait()
+    if init_pidfd is None:
+        return
+    try:
+        signal.pidfd_send_signal(init_pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # It has exited (after a normal return it has).
+    if not select.select([init_pidfd], [], [], _REAP_TIMEOUT_S)[0]:
+        raise SandboxError(f"the sandbox's pid 1 was still alive "
+                           f"{_REAP_TIMEOUT_S} s after SIGKILL")
 
 
 def _read_nonblocking(fd: int, limit: int) -> bytes:
@@ -315,34 +364,46 @@ def run_in_sandbox(plan: Plan, source: str, args: Sequence[str], *,
                    use_seccomp: bool = True) -> Completed:
     """Runs the program ``source`` in a fresh sandbox (see module doc).
 
+    Returns after every process of the sandbox is gone, on every path.
     ``use_seccomp=False`` exists for the tests that check each layer alone.
     Raises SandboxError when bwrap fails before the program starts.
     """
-    ready_r, ready_w = os.pipe()
-    seccomp_r, seccomp_w = os.pipe()
-    os.write(seccomp_w, seccomp.build_filter(plan.arch))
-    os.close(seccomp_w)
-    argv = [*bwrap_argv(plan, tmpfs_bytes=tmpfs_bytes,
-                        seccomp_fd=seccomp_r if use_seccomp else None),
-            "--", plan.interpreter, "-I", "-S", "-B", "-c", source,
-            str(ready_w), *args]
+    deadline = time.monotonic() + timeout_s
+    fds = {}
     try:
+        fds["ready_r"], fds["ready_w"] = os.pipe()
+        fds["info_r"], fds["info_w"] = os.pipe()
+        fds["seccomp_r"], seccomp_w = os.pipe()
+        os.write(seccomp_w, seccomp.build_filter(plan.arch))
+        os.close(seccomp_w)
+        argv = [*bwrap_argv(plan, tmpfs_bytes=tmpfs_bytes,
+                            seccomp_fd=fds["seccomp_r"] if use_seccomp
+                            else None),
+                "--info-fd", str(fds["info_w"]),
+                "--", plan.interpreter, "-I", "-S", "-B", "-c", source,
+                str(fds["ready_w"]), *args]
         with tempfile.TemporaryFile() as stdout, \
                 tempfile.TemporaryFile() as stderr:
             process = subprocess.Popen(
                 argv, env={}, stdin=subprocess.PIPE, stdout=stdout,
                 stderr=stderr, start_new_session=True, close_fds=True,
-                pass_fds=(*plan.keep_fds, ready_w, seccomp_r))
-            os.close(ready_w)
-            ready_w = -1
+                pass_fds=(fds["ready_w"], fds["info_w"], fds["seccomp_r"]))
+            init_pidfd = None
             timed_out = False
             try:
-                process.communicate(stdin, timeout=timeout_s)
+                for name in ("ready_w", "info_w"):
+                    os.close(fds.pop(name))
+                init_pidfd = _open_init(_read_until_eof(fds["info_r"],
+                                                        deadline))
+                if init_pidfd is not None:
+                    fds["init"] = init_pidfd
+                process.communicate(
+                    stdin, timeout=max(deadline - time.monotonic(), 0.001))
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                _kill_tree(process)  # Never leave a process behind.
-            started = _read_nonblocking(ready_r, 1) == b"1"
+                _kill_tree(process, init_pidfd)  # On every path.
+            started = _read_nonblocking(fds["ready_r"], 1) == b"1"
             if not started and not timed_out:
                 stderr.seek(0)
                 raise SandboxError(
@@ -353,9 +414,8 @@ def run_in_sandbox(plan: Plan, source: str, args: Sequence[str], *,
             return Completed(process.returncode, stdout.read(output_bytes + 1),
                              timed_out)
     finally:
-        for fd in (ready_r, ready_w, seccomp_r):
-            if fd >= 0:
-                os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
 
 
 # Checks, from inside, what the plan promises; prints one JSON line. Runs
