@@ -59,8 +59,11 @@ SANDBOX_UID = 65534
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install -y "
                 "bubblewrap)")
 TMPFS_BYTES = 8 << 20
+MIN_BWRAP_VERSION = (0, 8)
 _STDERR_BYTES = 4096
 _REAP_TIMEOUT_S = 10.0
+# bwrap writes its child's pid within milliseconds of starting.
+_INFO_TIMEOUT_S = 30.0
 # Extension modules whose libraries are left out: Tk needs a display.
 _SKIPPED_EXTENSIONS = ("_tkinter",)
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
@@ -217,7 +220,10 @@ def _stage_for_root(paths: list[str]) -> tuple[str, int]:
     started by ``nsenter --mount --setuid 65534``, binds from.
     """
     stage = tempfile.mkdtemp(prefix="rljax-sandbox-stage-")
-    atexit.register(os.rmdir, stage)
+    owner = os.getpid()
+    # Only the creator removes it: a forked child that exits must not
+    # detach the mounts its parent still uses.
+    atexit.register(lambda: os.getpid() == owner and os.rmdir(stage))
     helper = subprocess.Popen(
         [os.path.realpath(sys.executable), "-I", "-S", "-c", _STAGE_HELPER],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -228,9 +234,10 @@ def _stage_for_root(paths: list[str]) -> tuple[str, int]:
         if helper.stdout.readline().strip() != b"ready":
             helper.stdin.close()
             error = helper.stderr.read().decode(errors="replace").strip()
+            last_line = (error.splitlines() or ["no error output"])[-1]
             raise _unavailable(
-                "could not build the private mount namespace for a root "
-                f"caller (needs CAP_SYS_ADMIN): {error.splitlines()[-1:]}")
+                "could not build the private mount namespace a root caller "
+                f"needs (CAP_SYS_ADMIN is required): {last_line}")
         mount_ns = os.open(f"/proc/{helper.pid}/ns/mnt",
                            os.O_RDONLY | os.O_CLOEXEC)
     finally:
@@ -247,6 +254,20 @@ def build_plan(bwrap: Optional[str]) -> Plan:
                            f"{sys.platform}")
     if bwrap is None or not os.access(bwrap, os.X_OK):
         raise _unavailable(f"bubblewrap (bwrap) was not found; {INSTALL_HINT}")
+    version = subprocess.run([bwrap, "--version"], capture_output=True,
+                             text=True, timeout=30).stdout
+    found = re.search(r"(\d+)\.(\d+)", version)
+    if not found or tuple(map(int, found.groups())) < MIN_BWRAP_VERSION:
+        raise _unavailable(
+            f"bubblewrap >= {'.'.join(map(str, MIN_BWRAP_VERSION))} is needed "
+            f"(--disable-userns, --size), found {version.strip()!r}; "
+            f"{INSTALL_HINT}")
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        raise _unavailable("it needs pidfd_open (Linux >= 5.3, Python >= "
+                           "3.9) to know when every sandboxed process is "
+                           "gone") from None
     arch = seccomp.machine()
     if arch not in seccomp.SUPPORTED_ARCHS:
         raise _unavailable(f"no seccomp filter for CPU architecture {arch!r} "
@@ -302,13 +323,14 @@ def bwrap_argv(plan: Plan, *, tmpfs_bytes: int,
     return argv
 
 
-def _read_until_eof(fd: int, deadline: float) -> bytes:
+def _read_until_eof(fd: int, timeout_s: float) -> bytes:
     """What bwrap writes on its info descriptor (it closes it right after)."""
+    deadline = time.monotonic() + timeout_s
     chunks = []
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return b""  # bwrap is stuck before its child exists; not parsed.
+            return b""  # bwrap is stuck before its child exists.
         chunk = os.read(fd, 4096)
         if not chunk:
             return b"".join(chunks)
@@ -339,6 +361,8 @@ def _kill_tree(process: subprocess.Popen, init_pidfd: Optional[int]) -> None:
     except (ProcessLookupError, PermissionError):
         pass  # Already gone.
     process.wait()
+    if process.stdin is not None:
+        process.stdin.close()
     if init_pidfd is None:
         return
     try:
@@ -394,17 +418,18 @@ def run_in_sandbox(plan: Plan, source: str, args: Sequence[str], *,
                 for name in ("ready_w", "info_w"):
                     os.close(fds.pop(name))
                 init_pidfd = _open_init(_read_until_eof(fds["info_r"],
-                                                        deadline))
+                                                        _INFO_TIMEOUT_S))
                 if init_pidfd is not None:
                     fds["init"] = init_pidfd
-                process.communicate(
-                    stdin, timeout=max(deadline - time.monotonic(), 0.001))
+                    # The code goes only to a sandbox whose pid 1 we hold.
+                    process.communicate(
+                        stdin, timeout=max(deadline - time.monotonic(), 1e-3))
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
                 _kill_tree(process, init_pidfd)  # On every path.
             started = _read_nonblocking(fds["ready_r"], 1) == b"1"
-            if not started and not timed_out:
+            if init_pidfd is None or not (started or timed_out):
                 stderr.seek(0)
                 raise SandboxError(
                     "bwrap failed before the sandboxed program started "

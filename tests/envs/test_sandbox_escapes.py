@@ -308,7 +308,10 @@ def test_no_host_directory_descriptor_is_inherited(tmp_path):
     assert "ESCAPED" in done.stdout
 
 
-@pytest.mark.parametrize("target", ["/pwned", "/etc/pwned", "/proc/pwned"])
+@pytest.mark.parametrize("target", [
+    "/pwned", "/etc/pwned", "/proc/pwned", "/proc/sysrq-trigger",
+    "/proc/sys/kernel/core_pattern", "/dev/shm/pwned",
+])
 def test_nothing_outside_the_tmpfs_is_writable(target):
     code = f"open({target!r}, 'w').write('x')\nprint('ESCAPED')"
     outcome = inside(code, NAMESPACES_ONLY)
@@ -359,6 +362,16 @@ def test_tmpfs_is_size_capped(tmp_path):
 def test_a_file_is_capped_at_one_mib(tmp_path):
     code = "open('big', 'wb').write(b'x' * (2 << 20))\nprint('ESCAPED')"
     assert_contained(code, OS_LAYERS, tmp_path, "OSError: [Errno 27]")
+
+
+@pytest.mark.parametrize("grow", [
+    "os.ftruncate(1, 1 << 40)", "os.posix_fallocate(1, 0, 1 << 40)",
+    "os.pwrite(1, b'x', 1 << 40)",
+])
+def test_the_output_file_cannot_grow_past_one_mib(grow):
+    # stdout is a file on the host: RLIMIT_FSIZE caps it however it grows.
+    outcome = inside(f"import os\n{grow}\nprint('ESCAPED')", OS_LAYERS)
+    assert outcome.text.startswith("OSError: [Errno 27] File too large")
 
 
 def test_tmpfs_is_private_to_one_call():
