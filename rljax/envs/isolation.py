@@ -3,7 +3,7 @@
 ``run_in_sandbox(source, args, ...)`` runs ``INTERPRETER -I -S -B -c SOURCE
 READY_FD ARGS...`` inside a bubblewrap (``bwrap``) sandbox, one per call:
 
-  * namespaces: user (uid/gid 65534 inside), pid (bwrap's reaper is pid 1),
+  * namespaces: user (uid/gid 65534 inside), pid (the program is pid 1),
     network (only the sandbox's own loopback; the host's 127.0.0.1 is not
     reachable), ipc, uts (hostname "sandbox"), cgroup, mount; no further
     user namespaces (``--disable-userns``);
@@ -18,10 +18,12 @@ READY_FD ARGS...`` inside a bubblewrap (``bwrap``) sandbox, one per call:
   * an empty environment, a new session (no TIOCSTI on the caller's
     terminal), no capabilities, no_new_privs, and the seccomp deny list of
     ``rljax.envs.seccomp``;
-  * the whole tree dies with the call: when the interpreter exits, pid 1
-    exits and the kernel kills everything left in the pid namespace; the
-    caller also kills bwrap's process group after every call and on
-    timeout (``--die-with-parent`` covers a caller that dies).
+  * the whole tree dies with the call: after every call (normal return,
+    timeout or an exception in the caller) bwrap and the sandbox's pid 1
+    get SIGKILL, and the call returns only once a pidfd of pid 1 says it
+    has exited, which the kernel reports after it has killed and reaped
+    every other process of the pid namespace; ``--die-with-parent`` covers
+    a caller that dies.
 
 The program does its trusted setup (limits, audit hook), writes one byte to
 the file descriptor named by ``sys.argv[1]`` and closes it, and only then
@@ -307,7 +309,11 @@ def bwrap_argv(plan: Plan, *, tmpfs_bytes: int,
             "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
             "--disable-userns", "--uid", str(SANDBOX_UID),
             "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-            "--die-with-parent", "--new-session", "--clearenv"]
+            "--die-with-parent", "--new-session", "--clearenv",
+            # The program itself is pid 1: no other process (bwrap's reaper
+            # would be one, outside the program's rlimits) shares its uid
+            # and namespaces, where /proc/1/mem could be written.
+            "--as-pid-1"]
     for source, destination in plan.binds:
         argv += ["--ro-bind", source, destination]
     for directory in plan.masked:

@@ -117,6 +117,14 @@ def test_fork_bomb_is_refused_by_rlimit_nproc_alone(tmp_path):
     assert "ESCAPED" in outside(bomb, tmp_path)
 
 
+def test_the_program_is_the_only_process_in_the_sandbox():
+    # Another process there (bwrap's reaper, say) would have the same uid
+    # but not the program's rlimits, and its /proc/PID/mem is writable.
+    code = ("import os\n"
+            "[p for p in os.listdir('/proc') if p.isdigit()], os.getpid()")
+    assert inside(code, OS_LAYERS).text == "(['1'], 1)"
+
+
 def test_threads_are_refused_by_rlimit_nproc():
     code = ("import threading\nt = threading.Thread(target=lambda: None)\n"
             "t.start()\nt.join()\n'started'")
@@ -247,7 +255,8 @@ def test_double_forked_daemon_dies_with_the_call(linger, timeout_s):
     "'/etc/shadow'", "'/etc/passwd'", repr(str(REPO / "setup.py")),
     "'/proc/self/root/etc/shadow'", "'/proc/thread-self/root/etc/shadow'",
     "'/tmp/../../etc/shadow'",
-    # The parent's root: bwrap's pid 1 inside, the test process outside.
+    # The parent's root: none inside (the program is pid 1), the test
+    # process's outside.
     "f'/proc/{os.getppid()}/root/etc/shadow'",
 ])
 def test_host_files_are_not_readable(path, tmp_path):
@@ -458,8 +467,10 @@ def test_only_an_isolated_loopback_interface():
 def test_environment_secrets_are_not_visible(monkeypatch, tmp_path):
     monkeypatch.setenv("RLJAX_TEST_SECRET", "s3cr3t-value")
     code = ("import os\nseen = [str(dict(os.environ))]\n"
-            "for path in ('/proc/self/environ', '/proc/1/environ', "
-            "f'/proc/{os.getppid()}/environ'):\n"
+            "paths = ['/proc/self/environ', '/proc/1/environ']\n"
+            "if os.getppid():  # 0 inside: the program is pid 1 there.\n"
+            "    paths.append(f'/proc/{os.getppid()}/environ')\n"
+            "for path in paths:\n"
             "    try:\n        seen.append(open(path).read())\n"
             "    except OSError:\n        seen.append('unreadable')\n"
             "print('ESCAPED' if any('s3cr3t' in s for s in seen) else 'none',"
