@@ -403,12 +403,12 @@ def run_in_sandbox(plan: Plan, source: str, args: Sequence[str], *,
     try:
         fds["ready_r"], fds["ready_w"] = os.pipe()
         fds["info_r"], fds["info_w"] = os.pipe()
-        fds["seccomp_r"], seccomp_w = os.pipe()
-        os.write(seccomp_w, seccomp.build_filter(plan.arch))
-        os.close(seccomp_w)
+        if use_seccomp:  # bwrap reads the program, then closes the pipe.
+            fds["seccomp_r"], seccomp_w = os.pipe()
+            os.write(seccomp_w, seccomp.build_filter(plan.arch))
+            os.close(seccomp_w)
         argv = [*bwrap_argv(plan, tmpfs_bytes=tmpfs_bytes,
-                            seccomp_fd=fds["seccomp_r"] if use_seccomp
-                            else None),
+                            seccomp_fd=fds.get("seccomp_r")),
                 "--info-fd", str(fds["info_w"]),
                 "--", plan.interpreter, "-I", "-S", "-B", "-c", source,
                 str(fds["ready_w"]), *args]
@@ -417,7 +417,9 @@ def run_in_sandbox(plan: Plan, source: str, args: Sequence[str], *,
             process = subprocess.Popen(
                 argv, env={}, stdin=subprocess.PIPE, stdout=stdout,
                 stderr=stderr, start_new_session=True, close_fds=True,
-                pass_fds=(fds["ready_w"], fds["info_w"], fds["seccomp_r"]))
+                pass_fds=tuple(fds[name] for name in
+                               ("ready_w", "info_w", "seccomp_r")
+                               if name in fds))
             init_pidfd = None
             timed_out = False
             try:
