@@ -15,10 +15,12 @@ kernel, whatever the code does:
     call, each file at most 1 MiB (RLIMIT_FSIZE);
   * no new processes or threads: seccomp refuses fork/vfork/clone, and
     RLIMIT_NPROC = 0 is enforced because the sandbox's uid outside its user
-    namespace is never root (65534 for a root caller); the pid namespace
-    shows no host process, so none can be signalled;
-  * nothing outlives the call: the pid namespace and every process in it
-    are killed when the call returns or times out;
+    namespace is never root (65534 for a root caller); the interpreter is
+    pid 1 and the only process of its pid namespace, so no host process
+    can be seen or signalled; exec is allowed, but the interpreter is the
+    only program there and keeps every limit;
+  * nothing outlives the call: the call returns only after every process
+    of the sandbox is gone (normal return, timeout or error);
   * an empty environment (no secrets from the trainer's), uid/gid 65534,
     no capabilities, no_new_privs, new session, own hostname and IPC;
   * limits: wall timeout (default 2 s; the whole sandbox is killed, the
@@ -35,13 +37,16 @@ name); socket, subprocess, ctypes, gc, shutil, resource events; every
 ``os.*`` event except putenv/unsetenv; any ``open`` for writing; any
 ``open`` outside the standard library directories.
 
-Needs: Linux on x86_64 or aarch64, bubblewrap (``apt-get install -y
-bubblewrap``), user namespaces, and for a root caller ``nsenter``
-(util-linux) and CAP_SYS_ADMIN. Without them ``PythonEnv`` and
-``run_python`` raise ``isolation.SandboxUnavailable`` saying what is
-missing; the tool never runs code unsandboxed. Not covered: CPU time of
-other tenants while a call runs (2 cores are shared), kernel bugs reachable
-through the allowed system calls, and side channels.
+Needs: Linux >= 5.3 on x86_64 or aarch64, bubblewrap >= 0.8 (``apt-get
+install -y bubblewrap``), user namespaces, and for a root caller
+``nsenter`` (util-linux) and CAP_SYS_ADMIN. Without them ``PythonEnv`` (at
+construction) and ``run_python`` raise ``isolation.SandboxUnavailable``
+saying what is missing; the tool never runs code unsandboxed. The first
+use in a process costs about a second (``isolation.probe``: listing the
+interpreter's libraries and a self-test of every guarantee); each call
+then costs one bwrap start on top of the interpreter's. Not covered: CPU
+contention while a call runs, kernel bugs reachable through the allowed
+system calls, and side channels.
 
 Observation: the captured stdout and stderr, then the repr of the last
 statement's value if it is an expression other than None, trailing
