@@ -77,7 +77,8 @@ def test_stdlib_c_modules_find_their_libraries_in_the_sandbox():
     # zlib, hashlib and decimal load shared libraries (libz, libcrypto,
     # libmpdec) that the sandbox must have bound.
     outcome = run("import zlib, hashlib, decimal, math\n"
-                  "(zlib.crc32(b'abc'), hashlib.sha256(b'abc').hexdigest()[:8], "
+                  "(zlib.crc32(b'abc'), "
+                  "hashlib.sha256(b'abc').hexdigest()[:8], "
                   "str(decimal.Decimal(1) / 7)[:6], math.comb(5, 2))")
     # crc32("abc") = 0x352441C2 = 891568578; sha256("abc") = ba7816bf...
     assert outcome.text == "(891568578, 'ba7816bf', '0.1428', 10)"

@@ -22,6 +22,7 @@ import uuid
 import pytest
 
 from rljax.envs import python_tool
+from rljax.envs import seccomp
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WITH_HOOK = python_tool._Layers()
@@ -128,7 +129,8 @@ def test_the_program_is_the_only_process_in_the_sandbox():
 def test_threads_are_refused_by_rlimit_nproc():
     code = ("import threading\nt = threading.Thread(target=lambda: None)\n"
             "t.start()\nt.join()\n'started'")
-    assert inside(code, OS_LAYERS).text == "RuntimeError: can't start new thread"
+    refused = "RuntimeError: can't start new thread"
+    assert inside(code, OS_LAYERS).text == refused
     # Control: the same sandbox without RLIMIT_NPROC starts the thread.
     without = python_tool._Layers(audit_hook=False, nproc_limit=False)
     assert inside(code, without).text == "'started'"
@@ -160,7 +162,6 @@ def test_exec_keeps_every_os_layer():
 
 
 def test_seccomp_refuses_every_listed_syscall():
-    from rljax.envs import seccomp
     denied = seccomp.denied_syscalls(seccomp.machine())
     code = (
         "import ctypes, json\n"
@@ -191,7 +192,6 @@ def test_x32_calls_are_refused():
     code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             "r = libc.syscall(ctypes.c_long(0x40000000 | 39))\n"  # getpid
             "(r, ctypes.get_errno())")
-    from rljax.envs import seccomp
     if seccomp.machine() != "x86_64":
         pytest.skip("x32 exists on x86_64 only")
     assert inside(code, OS_LAYERS).text == "(-1, 1)"
@@ -288,7 +288,8 @@ def test_only_interpreter_files_are_visible(tmp_path):
             "site = os.path.join(os.path.dirname(os.__file__), "
             "'site-packages')\n"
             "print('ESCAPED' if os.listdir(site) or os.path.exists('/home') "
-            "or os.path.exists('/usr/bin') else 'none', sorted(os.listdir('/')))")
+            "or os.path.exists('/usr/bin') else 'none', "
+            "sorted(os.listdir('/')))")
     outcome = assert_contained(code, NAMESPACES_ONLY, tmp_path)
     top = {"dev", "etc", "lib", "lib64", "proc", "tmp", "usr", "root"}
     listed = ast.literal_eval(outcome.text.split(" ", 1)[1])

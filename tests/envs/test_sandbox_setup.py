@@ -1,6 +1,7 @@
 """The sandbox's setup: seccomp program, probe, refusals, non-root callers."""
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
@@ -170,7 +171,6 @@ def _world_readable_interpreter():
 
 
 def test_an_unprivileged_caller_gets_the_same_sandbox():
-    import json
     if os.getuid() != 0:
         report = {"outer_uid": isolation.probe().outer_uid}
         assert report["outer_uid"] == os.getuid()
@@ -189,7 +189,6 @@ def test_an_unprivileged_caller_gets_the_same_sandbox():
 
 
 def test_no_user_namespaces_is_a_clear_refusal():
-    import json
     # An outer sandbox forbids new user namespaces; the probe inside must
     # refuse and say why.
     bwrap = shutil.which("bwrap")
