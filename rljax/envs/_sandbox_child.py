@@ -1,13 +1,16 @@
 """Runs one snippet of model-written Python; executed as ``python -I -S -c``.
 
 Not imported by rljax: ``rljax.envs.python_tool`` passes this file's text to
-a fresh interpreter. Protocol: argv = [max_output_chars, cpu_seconds,
-memory_bytes, output_bytes]; the code arrives on stdin; the last line written
-to stdout is a JSON object {"ok": true, "output": str} or {"ok": false,
-"error": "ExceptionName: message"}.
+a fresh interpreter inside the sandbox of ``rljax.envs.isolation``.
+Protocol: argv = [ready_fd, max_output_chars, cpu_seconds, memory_bytes,
+output_bytes, audit_hook, nproc_limit] (the last two "1" or "0"; "0" only in
+the tests that check the other layers alone); the code arrives on stdin; the
+last line written to stdout is a JSON object {"ok": true, "output": str} or
+{"ok": false, "error": "ExceptionName: message"}.
 
 Order matters: limits first, then everything this script needs is imported,
-then the audit hook goes in, and only then does the snippet run.
+then one byte on ready_fd tells the parent the sandbox started, then the
+audit hook goes in, and only then does the snippet run.
 """
 
 import ast
@@ -36,15 +39,18 @@ _BLOCKED_PREFIXES = (
 _ALLOWED_OS_EVENTS = frozenset(("os.putenv", "os.unsetenv"))
 
 
-def _set_limits(cpu_seconds, memory_bytes, output_bytes):
-    """Hard limits: the snippet cannot raise them again (setrlimit is audited)."""
-    for limit, value in ((resource.RLIMIT_CPU, cpu_seconds),
-                         (resource.RLIMIT_AS, memory_bytes),
-                         (resource.RLIMIT_CORE, 0),
-                         (resource.RLIMIT_FSIZE, output_bytes),
-                         (resource.RLIMIT_NOFILE, 32),
-                         # Ignored for root; the audit hook blocks fork anyway.
-                         (resource.RLIMIT_NPROC, 0)):
+def _set_limits(cpu_seconds, memory_bytes, output_bytes, nproc_limit):
+    """Hard limits: the snippet cannot raise them (soft = hard, no caps)."""
+    limits = [(resource.RLIMIT_CPU, cpu_seconds),
+              (resource.RLIMIT_AS, memory_bytes),
+              (resource.RLIMIT_CORE, 0),
+              (resource.RLIMIT_FSIZE, output_bytes),
+              (resource.RLIMIT_NOFILE, 32)]
+    if nproc_limit:
+        # No new task at all, threads included. Enforced: the sandbox's uid
+        # outside its user namespace is never root (see isolation.py).
+        limits.append((resource.RLIMIT_NPROC, 0))
+    for limit, value in limits:
         resource.setrlimit(limit, (value, value))
 
 
@@ -117,8 +123,16 @@ def _make_hook(read_roots):
                               "library")
             return
         if event == "import":
-            if _split(args[0], ".")[0] in blocked_modules:
-                raise _denied(f"sandbox: module {args[0]!r} is not available")
+            # Every dotted part, and the file's own name: loading a blocked
+            # C module from its file under another dotted name
+            # (importlib.util.spec_from_file_location) must fail too.
+            names = _split(args[0], ".") if _type(args[0]) is _str else [""]
+            if _type(args[1]) is _str:
+                names.append(_split(_split(args[1], "/")[-1], ".")[0])
+            for name in names:
+                if name in blocked_modules:
+                    raise _denied(f"sandbox: module {args[0]!r} is not "
+                                  f"available")
             return
         if event in allowed_os:
             return
@@ -152,13 +166,17 @@ def _describe(error):
 
 
 def main():
-    max_chars, cpu_seconds, memory_bytes, output_bytes = map(int, sys.argv[1:5])
+    (ready_fd, max_chars, cpu_seconds, memory_bytes, output_bytes, audit_hook,
+     nproc_limit) = map(int, sys.argv[1:8])
     code = sys.stdin.buffer.read().decode("utf-8", "replace")
-    _set_limits(cpu_seconds, memory_bytes, output_bytes)
+    _set_limits(cpu_seconds, memory_bytes, output_bytes, nproc_limit)
     sys.dont_write_bytecode = True
     real_stdout = sys.stdout
     captured = io.StringIO()
-    sys.addaudithook(_make_hook(_read_roots()))
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    if audit_hook:
+        sys.addaudithook(_make_hook(_read_roots()))
     sys.stdout = sys.stderr = captured
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     # One character past the limit survives, so the parent can mark the cut.

@@ -1,32 +1,52 @@
-"""A Python tool: ``<python>CODE</python>`` runs CODE in a sandboxed process.
+"""A Python tool: ``<python>CODE</python>`` runs CODE in an OS sandbox.
 
-Each call gets a fresh interpreter (``sys.executable -I -S -B``: isolated
-mode, no site-packages, no bytecode writes) running ``_sandbox_child.py``:
+Each call gets a fresh interpreter (``-I -S -B``: isolated mode, no
+site-packages, no bytecode writes) running ``_sandbox_child.py`` inside a
+new bubblewrap sandbox (``rljax.envs.isolation``). Guaranteed, by the
+kernel, whatever the code does:
 
-  * wall timeout (default 2 s): the whole process group is killed with
-    SIGKILL, the observation is "Tool error: timed out after 2 s" and
-    ``info["tool_timeout"]`` is True;
-  * hard resource limits: address space (default 512 MiB), CPU seconds
-    (timeout rounded up, plus 1), no core files, at most 1 MiB written to
-    stdout, 32 open files, no new processes (RLIMIT_NPROC; not enforced for
-    root, hence the audit hook);
-  * cwd an empty temporary directory (removed afterwards), an empty
-    environment, stdin closed after the code is read;
-  * an audit hook (``sys.addaudithook``) installed before the code runs,
-    refusing with PermissionError: importing socket, ssl, subprocess,
-    ctypes, multiprocessing, pty, sqlite3, dbm and their C modules; socket,
-    subprocess, ctypes, gc, shutil, resource (setrlimit) events; every
-    ``os.*`` event except putenv/unsetenv, so os.system, exec, spawn,
-    posix_spawn, fork, kill, remove, rename, mkdir, chmod, listdir outside
-    the standard library, ...; any ``open`` for writing (by mode or flags);
-    any ``open`` of a path outside the interpreter's own standard library
-    directories (``sys.path`` of ``-I -S``, site-packages excluded), or of a
-    file descriptor or path object rather than a plain string.
+  * no network: a network namespace with only its own loopback, so the
+    host's services (127.0.0.1 included) are unreachable; socket() is also
+    refused by seccomp;
+  * no host files: a read-only root holding only the interpreter, its
+    standard library (no site-packages) and the libraries it links; no
+    /home, /root, /etc (but ld.so.cache), project files or host /proc;
+  * writes only to ``/tmp``, a private tmpfs of 8 MiB discarded after the
+    call, each file at most 1 MiB (RLIMIT_FSIZE);
+  * no new processes or threads: seccomp refuses fork/vfork/clone, and
+    RLIMIT_NPROC = 0 is enforced because the sandbox's uid outside its user
+    namespace is never root (65534 for a root caller); the interpreter is
+    pid 1 and the only process of its pid namespace, so no host process
+    can be seen or signalled; exec is allowed, but the interpreter is the
+    only program there and keeps every limit;
+  * nothing outlives the call: the call returns only after every process
+    of the sandbox is gone (normal return, timeout or error);
+  * an empty environment (no secrets from the trainer's), uid/gid 65534,
+    no capabilities, no_new_privs, new session, own hostname and IPC;
+  * limits: wall timeout (default 2 s; the whole sandbox is killed, the
+    observation is "Tool error: timed out after 2 s" and
+    ``info["tool_timeout"]`` is True), address space (default 512 MiB), CPU
+    seconds (timeout rounded up, plus 1), no core files, 1 MiB of stdout,
+    32 open files.
 
-The audit hook is defense in depth, not a security boundary against a
-determined adversary (CPython's documentation says as much); the process
-limits and the empty directory are the other layers. Run untrusted models
-inside a container as well.
+Inside, an audit hook (``sys.addaudithook``) is a second layer that turns
+most attempts into a clear "PermissionError: sandbox: ..." observation:
+importing socket, ssl, subprocess, ctypes, multiprocessing, pty, sqlite3,
+dbm and their C modules (by any dotted part of the name or the file's
+name); socket, subprocess, ctypes, gc, shutil, resource events; every
+``os.*`` event except putenv/unsetenv; any ``open`` for writing; any
+``open`` outside the standard library directories.
+
+Needs: Linux >= 5.3 on x86_64 or aarch64, bubblewrap >= 0.8 (``apt-get
+install -y bubblewrap``), user namespaces, and for a root caller
+``nsenter`` (util-linux) and CAP_SYS_ADMIN. Without them ``PythonEnv`` (at
+construction) and ``run_python`` raise ``isolation.SandboxUnavailable``
+saying what is missing; the tool never runs code unsandboxed. The first
+use in a process costs about a second (``isolation.probe``: listing the
+interpreter's libraries and a self-test of every guarantee); each call
+then costs one bwrap start on top of the interpreter's. Not covered: CPU
+contention while a call runs, kernel bugs reachable through the allowed
+system calls, and side channels.
 
 Observation: the captured stdout and stderr, then the repr of the last
 statement's value if it is an expression other than None, trailing
@@ -38,16 +58,14 @@ result (memory limit, os._exit) gives "Tool error: ..." with its exit status.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
 import pathlib
 import signal
-import subprocess
-import sys
-import tempfile
 from typing import Optional
 
+from rljax.envs import isolation
 from rljax.envs.tools import ToolEnvironment, ToolOutcome
 from rljax.tasks.base import Task
 
@@ -85,13 +103,24 @@ def _truncate(text: str, max_chars: int) -> str:
     return text[:max_chars] + "... [truncated]"
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL to the child's whole process group (its own session)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # Already gone.
-    process.wait()
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+    """Which defences run; all of them outside the tests of one layer alone."""
+
+    audit_hook: bool = True
+    seccomp: bool = True
+    nproc_limit: bool = True
+
+
+def _describe_exit(returncode: int) -> str:
+    # bwrap reports a child killed by signal N as exit status 128 + N.
+    signum = -returncode if returncode < 0 else returncode - 128
+    if returncode < 0 or 0 < signum < signal.NSIG:
+        try:
+            return f"killed by signal {signal.Signals(signum).name}"
+        except ValueError:
+            pass
+    return f"exited with status {returncode}"
 
 
 def _parse_child_output(raw: bytes, returncode: int,
@@ -106,10 +135,7 @@ def _parse_child_output(raw: bytes, returncode: int,
             result = None
     if not isinstance(result, dict) or not isinstance(
             result.get("output", result.get("error")), str):
-        if returncode < 0:
-            how = f"killed by signal {signal.Signals(-returncode).name}"
-        else:
-            how = f"exited with status {returncode}"
+        how = _describe_exit(returncode)
         return ToolOutcome(f"the Python process {how} without a result "
                            f"(memory or output limit?)", ok=False)
     if result.get("ok") is True and "output" in result:
@@ -123,32 +149,34 @@ def _parse_child_output(raw: bytes, returncode: int,
 def run_python(code: str, *, timeout_s: float = 2.0,
                memory_bytes: int = 512 << 20,
                max_output_chars: int = 1000) -> ToolOutcome:
-    """Runs ``code`` in the sandbox described in the module docstring."""
+    """Runs ``code`` in the sandbox described in the module docstring.
+
+    Raises:
+      isolation.SandboxUnavailable: this machine cannot sandbox the code.
+      isolation.SandboxError: bwrap failed to start (before any code ran).
+    """
+    return _run_python(code, timeout_s=timeout_s, memory_bytes=memory_bytes,
+                       max_output_chars=max_output_chars, layers=_Layers())
+
+
+def _run_python(code: str, *, timeout_s: float, memory_bytes: int,
+                max_output_chars: int, layers: _Layers) -> ToolOutcome:
+    plan = isolation.probe()
     if len(code) > _MAX_CODE_CHARS:
         return ToolOutcome(f"code longer than {_MAX_CODE_CHARS} characters",
                            ok=False)
     cpu_seconds = math.ceil(timeout_s) + 1
-    argv = [sys.executable, "-I", "-S", "-B", "-c", _CHILD_SOURCE,
-            str(max_output_chars), str(cpu_seconds), str(memory_bytes),
-            str(_OUTPUT_BYTES)]
-    with tempfile.TemporaryDirectory(prefix="rljax-python-") as workdir, \
-            tempfile.TemporaryFile() as stdout:
-        process = subprocess.Popen(
-            argv, cwd=workdir, env={}, stdin=subprocess.PIPE, stdout=stdout,
-            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-        try:
-            process.communicate(code.encode("utf-8", "replace"),
-                                timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(process)
-            return ToolOutcome(f"timed out after {timeout_s:g} s", ok=False,
-                               timeout=True)
-        except BaseException:
-            _kill_group(process)  # Never leave a child behind.
-            raise
-        stdout.seek(0)
-        raw = stdout.read(_OUTPUT_BYTES + 1)
-    return _parse_child_output(raw, process.returncode, max_output_chars)
+    args = [str(max_output_chars), str(cpu_seconds), str(memory_bytes),
+            str(_OUTPUT_BYTES), str(int(layers.audit_hook)),
+            str(int(layers.nproc_limit))]
+    done = isolation.run_in_sandbox(
+        plan, _CHILD_SOURCE, args, stdin=code.encode("utf-8", "replace"),
+        timeout_s=timeout_s, output_bytes=_OUTPUT_BYTES,
+        use_seccomp=layers.seccomp)
+    if done.timed_out:
+        return ToolOutcome(f"timed out after {timeout_s:g} s", ok=False,
+                           timeout=True)
+    return _parse_child_output(done.stdout, done.returncode, max_output_chars)
 
 
 class PythonEnv(ToolEnvironment):
@@ -183,6 +211,7 @@ class PythonEnv(ToolEnvironment):
         if max_output_chars < 1:
             raise ValueError(f"python: max_output_chars must be >= 1, got "
                              f"{max_output_chars}")
+        isolation.probe()  # Refuse now, not at the first tool call.
         self.timeout_s = float(timeout_s)
         self.memory_bytes = int(memory_bytes)
         self.max_output_chars = int(max_output_chars)

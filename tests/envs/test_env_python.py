@@ -73,6 +73,17 @@ def test_stdlib_still_imports():
     assert outcome.ok and outcome.text == "Fraction(5, 2)"
 
 
+def test_stdlib_c_modules_find_their_libraries_in_the_sandbox():
+    # zlib, hashlib and decimal load shared libraries (libz, libcrypto,
+    # libmpdec) that the sandbox must have bound.
+    outcome = run("import zlib, hashlib, decimal, math\n"
+                  "(zlib.crc32(b'abc'), "
+                  "hashlib.sha256(b'abc').hexdigest()[:8], "
+                  "str(decimal.Decimal(1) / 7)[:6], math.comb(5, 2))")
+    # crc32("abc") = 0x352441C2 = 891568578; sha256("abc") = ba7816bf...
+    assert outcome.text == "(891568578, 'ba7816bf', '0.1428', 10)"
+
+
 def test_python_env_episode_counts_timeouts():
     env = envs.get_env("python", tasks.get_task("arithmetic"), timeout_s=1.0,
                        tool_bonus=0.1)
