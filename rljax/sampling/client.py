@@ -39,10 +39,9 @@ from typing import Any
 
 import numpy as np
 
+from rljax.sampling.admin import ENV_TOKEN
 from rljax.sampling.types import (Completion, SamplerError, SamplerIncompatibleError, SamplerRequestError,
                                   SamplerUnavailableError, SamplingParams, check_prompts)
-
-ENV_TOKEN = "RLJAX_ADMIN_TOKEN"  # the same variable `rljax serve` reads
 
 log = logging.getLogger(__name__)
 

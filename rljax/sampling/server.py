@@ -200,7 +200,8 @@ class BodyLimit:
         import json
         body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
@@ -323,15 +324,16 @@ def create_app(sampler: InProcessSampler, tokenizer, config: ml_collections.Conf
         return error(500, f"internal error ({type(exc).__name__}); see the server log", "InternalServerError")
 
     async def parse(request, model_cls):
+        """The body as `model_cls` (400 naming the field otherwise); 404 when it names another model."""
         try:
-            return model_cls.model_validate_json(await request.body())
+            req = model_cls.model_validate_json(await request.body())
         except pydantic.ValidationError as e:
             raise ValueError(_validation_message(e)) from None
-
-    def check_model(name):
+        name = getattr(req, "model", None)
         if name is not None and name != model_name:
             raise admin_lib.AdminError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
                                        "NotFoundError")
+        return req
 
     def check_top(n, field):
         if n is not None and n > limits.top_logprobs:
@@ -369,7 +371,6 @@ def create_app(sampler: InProcessSampler, tokenizer, config: ml_collections.Conf
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request):
         req = await parse(request, proto.CompletionRequest)
-        check_model(req.model)
         if req.stream:
             raise ValueError("stream: not supported on /v1/completions; /v1/chat/completions streams")
         check_top(req.logprobs, "logprobs")
@@ -397,7 +398,6 @@ def create_app(sampler: InProcessSampler, tokenizer, config: ml_collections.Conf
     @app.post("/v1/chat/completions")
     async def chat(request: fastapi.Request):
         req = await parse(request, proto.ChatCompletionRequest)
-        check_model(req.model)
         if req.tools:
             raise ValueError("tools: not supported by rljax serve (describe tools in the messages instead)")
         if req.tool_choice not in (None, "none", "auto"):
@@ -430,7 +430,6 @@ def create_app(sampler: InProcessSampler, tokenizer, config: ml_collections.Conf
     @app.post("/inference/v1/generate")
     async def generate(request: fastapi.Request):
         req = await parse(request, proto.GenerateRequest)
-        check_model(req.model)
         sp = req.sampling_params
         if req.stream or req.stream_options is not None:
             raise ValueError("stream: not supported on /inference/v1/generate")
@@ -458,12 +457,13 @@ def create_app(sampler: InProcessSampler, tokenizer, config: ml_collections.Conf
                                        "PermissionDeniedError")
         req = await parse(request, proto.UpdateWeightsRequest)
         directory = root.resolve(req.path)
-        root.check_links(directory)
 
         def load_and_swap():
             step = req.step if req.step is not None else latest_step(directory)
             if step is None:
                 raise admin_lib.AdminError(404, f"path {req.path!r}: no finished checkpoint step", "NotFoundError")
+            if (directory / str(step)).is_dir():  # (a missing step is load_params' 404)
+                root.check_links(directory / str(step))
             source = (str(directory), int(step))
             version = versions.next(req.version, source, req.reset)
             try:

@@ -113,6 +113,12 @@ def _checksums(state: Any) -> dict[str, dict]:
             for path, v in _flat(state)}
 
 
+def _read_only_options():
+    """Readers never create, clean up or delete anything in a directory another process writes."""
+    import orbax.checkpoint as ocp
+    return ocp.CheckpointManagerOptions(read_only=True, create=False)
+
+
 def latest_step(directory: str | os.PathLike) -> int | None:
     """The newest finished orbax step under `directory` (None when there is none or no directory)."""
     import orbax.checkpoint as ocp
@@ -120,7 +126,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         return None
-    with ocp.CheckpointManager(directory) as manager:
+    with ocp.CheckpointManager(directory, options=_read_only_options()) as manager:
         return manager.latest_step()
 
 
@@ -188,7 +194,7 @@ def load_params(directory: str | os.PathLike, step: int | None, template: nnx.St
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory {directory!r}")
-    with ocp.CheckpointManager(directory) as manager:
+    with ocp.CheckpointManager(directory, options=_read_only_options()) as manager:
         steps = manager.all_steps()
         if step is None:
             step = manager.latest_step()
