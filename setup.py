@@ -40,9 +40,10 @@ EXTRAS = {
         "fastapi>=0.115",
         "uvicorn>=0.30",
         "httpx>=0.27",
+        "openai>=3.57",
     ],
     "notebooks": ["jupyter>=1.0", "nbclient>=0.10", "ipykernel>=6.29"],
-    "serve": ["fastapi>=0.115", "uvicorn>=0.30", "httpx>=0.27"],
+    "serve": ["fastapi>=0.115", "uvicorn>=0.30", "httpx>=0.27", "openai>=3.57"],
 }
 
 setuptools.setup(

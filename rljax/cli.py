@@ -16,7 +16,7 @@ commands:
                            train (resumes when DIR holds a run)
   eval [--config PATH] --workdir RUN   held-out accuracy of RUN's latest checkpoint
   plot RUN_DIR [--out PNG] reward, length, KL, clip and mismatch curves
-  serve [--config PATH] [--port N]   serve the sampler over HTTP
+  serve [--config PATH] [--config.FIELD=VALUE ...]   serve the sampler over HTTP
   sweep SWEEP.py [--print] [--workdir DIR] [--steps N]   run a sweep, write results
 """
 
@@ -51,11 +51,12 @@ def _check_override_keys(argv: list[str], path: str) -> None:
         recipes.check_key(config, key)
 
 
-def load_config(argv: list[str], default=None):
+def load_config(argv: list[str], default=None, validate=None):
     """Parses `--config PATH [--config.FIELD=VALUE ...]`; returns the config.
 
     `default` is a config file path or a ConfigDict used when no `--config`
     is given. Other flags are returned untouched as the second value.
+    `validate(config)` replaces the train/recipe validation (e.g. `serve`).
     """
     from absl import flags
     from ml_collections import config_flags
@@ -81,7 +82,9 @@ def load_config(argv: list[str], default=None):
                                         sys_argv=argv)
     rest = fv(argv, known_only=True)
     config = fv.config
-    if "optim" in config:
+    if validate is not None:
+        validate(config)
+    elif "optim" in config:
         from rljax.train import config as config_lib
         config_lib.validate(config)
     else:
@@ -155,6 +158,14 @@ def _cmd_eval(argv):
     print(json.dumps(loop.evaluate_run(config, workdir), indent=2))
 
 
+def _cmd_serve(argv):
+    from rljax.sampling import server
+    config, rest = load_config(argv, default=server.default_config(), validate=server.validate_config)
+    if rest[1:]:
+        raise ValueError(f"unknown flags {rest[1:]}; settings are --config.FIELD=VALUE")
+    server.serve(config)
+
+
 def _cmd_plot(argv):
     from rljax.train import plot
     if len(argv) < 2:
@@ -172,7 +183,7 @@ COMMANDS = {
     "train": _cmd_train,
     "eval": _cmd_eval,
     "plot": _cmd_plot,
-    "serve": "rljax.sampling.server:cli_main",
+    "serve": _cmd_serve,
     "sweep": "rljax.sweep:cli_main",
 }
 

@@ -8,7 +8,10 @@ The trainer codes against one interface, `Sampler`:
 
 `InProcessSampler(model)` runs it in this process (jitted prefill + decode
 loop, length buckets, weight swaps without recompiling); `RemoteSampler(url)`
-talks to `rljax serve`, vLLM or SGLang over the OpenAI completions API.
+talks to `rljax serve`, vLLM or SGLang over the OpenAI completions API
+(`check_compatible` at start-up, retries within a time budget, weight pushes
+with the admin token). `rljax serve` (`rljax.sampling.server`) also speaks
+OpenAI chat completions and vLLM's `/inference/v1/generate`.
 `Completion.logprobs` are behavior log-probs: see `rljax.sampling.types`.
 """
 
@@ -17,6 +20,7 @@ from rljax.sampling.sampler import InProcessSampler
 from rljax.sampling.types import Completion
 from rljax.sampling.types import Sampler
 from rljax.sampling.types import SamplerError
+from rljax.sampling.types import SamplerIncompatibleError
 from rljax.sampling.types import SamplerRequestError
 from rljax.sampling.types import SamplerUnavailableError
 from rljax.sampling.types import SamplingParams
@@ -27,6 +31,7 @@ __all__ = [
     "RemoteSampler",
     "Sampler",
     "SamplerError",
+    "SamplerIncompatibleError",
     "SamplerRequestError",
     "SamplerUnavailableError",
     "SamplingParams",

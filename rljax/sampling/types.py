@@ -128,6 +128,10 @@ class SamplerUnavailableError(SamplerError):
     """The server could not be reached, or kept failing, after every retry."""
 
 
+class SamplerIncompatibleError(SamplerError, ValueError):
+    """The server serves another model than the trainer's (vocabulary, parameter shapes, tokenizer, context)."""
+
+
 class SamplerRequestError(SamplerError, ValueError):
     """The server rejected the request (HTTP 4xx); the message is the server's."""
 
