@@ -24,13 +24,18 @@ DATA = _HERE.parent / "examples" / "gsm_synth" / "train.jsonl"
 
 def get_config(recipe: str = "grpo"):
     c = _BASE["get_config"](recipe)
-    c.steps = 8
+    c.steps = 6
     c.group_size = 8
     c.max_tokens = 32                # a one-line solution, "#### N" and EOS
     c.dapo.overlong_buffer = 8
     c.optim.lr = 2e-5
     c.rollout.prompts_per_step = 4
     c.rollout.max_prompt_tokens = 256  # two few-shot turns: ~160 tokens
+    # Rows are ~200 tokens, 3x the main job's: log-probs over the 49k-token
+    # vocabulary in chunks of 32 positions and 4 micro-batches keep the step
+    # under ~5 GB (whole rows at once took 22 GB and were OOM-killed).
+    c.model.chunk_size = 32
+    c.train.micro_batches = 4
     c.task.name = "dataset"
     c.task.args = ml_collections.ConfigDict(dict(
         path=str(DATA),
@@ -43,5 +48,5 @@ def get_config(recipe: str = "grpo"):
     ))
     c.task.system_prompt = ""        # the task's (none): the chat template's own
     c.task.eval_size = 32
-    c.task.eval_samples = 2
+    c.task.eval_samples = 1
     return c

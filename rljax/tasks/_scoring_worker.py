@@ -107,7 +107,15 @@ def main():
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     # "Timeout is disabled ...": we disabled it on purpose (the parent kills).
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    # The frames get private copies of fds 0 and 1; the scorers' own prints
+    # (Python or C) go to stderr and their reads see an empty stdin, so
+    # neither can corrupt the protocol.
+    stdin = os.fdopen(os.dup(0), "rb")
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     while True:
         try:
             (size,) = _HEADER.unpack(_read(stdin, _HEADER.size))

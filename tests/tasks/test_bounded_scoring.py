@@ -91,3 +91,24 @@ def test_scorer_errors_are_reported_and_the_process_survives():
     finally:
         worker.close()
     assert worker._proc is None
+
+
+def test_prints_in_the_scoring_process_cannot_corrupt_replies(tmp_path,
+                                                               monkeypatch):
+    # A scorer library that writes to stdout (Python and C level) or reads
+    # stdin while it is imported: the replies must still arrive intact.
+    (tmp_path / "noisy_scorer_lib.py").write_text(
+        "import os, sys\n"
+        "print('hello ' * 1000)\n"
+        "sys.stdout.flush()\n"
+        "os.write(1, b'\\x00\\x00\\x00\\x05junk')\n"
+        "sys.stdin.read()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    worker = bounded.BoundedWorker()
+    try:
+        assert worker.call("preload", (("noisy_scorer_lib",),), 60.0) is True
+        assert worker.call("math_golds", (["3"],), 60.0,
+                           needs=("math_verify",)) == [True]
+        assert worker.starts == 1
+    finally:
+        worker.close()
