@@ -41,9 +41,20 @@ EXTRAS = {
         "uvicorn>=0.30",
         "httpx>=0.27",
         "openai>=3.57",
+        # The dataset and reasoning_gym tasks (same list as "data" below).
+        "datasets>=5.2.0",
+        "math-verify>=0.9.0",
+        "google-re2>=1.1",
+        "reasoning-gym>=0.1.25",
     ],
     "notebooks": ["jupyter>=1.0", "nbclient>=0.10", "ipykernel>=6.29"],
     "serve": ["fastapi>=0.115", "uvicorn>=0.30", "httpx>=0.27", "openai>=3.57"],
+    # Your own data (the dataset task: HF datasets, math-verify, RE2) and
+    # reasoning-gym's generators. An extra, not core: they pull in pyarrow,
+    # pandas, sympy and reasoning-gym's many puzzle libraries, which the
+    # trainer and the built-in tasks never need.
+    "data": ["datasets>=5.2.0", "math-verify>=0.9.0", "google-re2>=1.1",
+             "reasoning-gym>=0.1.25"],
 }
 
 setuptools.setup(

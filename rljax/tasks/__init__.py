@@ -5,6 +5,10 @@
     score = task.reward(completion_text, example)
     held_out = task.eval_split(256)
 
+Your own data: ``get_task("dataset", path="file.jsonl", scorer="math")``
+(``rljax.tasks.dataset``); any reasoning-gym data set:
+``get_task("reasoning_gym", dataset="chain_sum")`` (``rljax.tasks.reasoning``).
+
 Any ``"module:function"`` taking ``(completion_text, example)`` can replace a
 task's reward (``get_task(..., reward_fn="pkg.mod:fn")``) or be loaded with
 ``load_reward_fn``.
@@ -17,6 +21,8 @@ from rljax.tasks.base import load_reward_fn
 from rljax.tasks.base import RewardFn
 from rljax.tasks.base import Task
 from rljax.tasks.countdown import CountdownTask
+from rljax.tasks.dataset import DatasetTask
+from rljax.tasks.reasoning import ReasoningGymTask
 from rljax.tasks.registry import get_task
 from rljax.tasks.registry import task_names
 from rljax.tasks.registry import TASKS
@@ -30,7 +36,9 @@ __all__ = [
     "ArithmeticTask",
     "CharTokenizer",
     "CountdownTask",
+    "DatasetTask",
     "Example",
+    "ReasoningGymTask",
     "RewardFn",
     "ReverseTask",
     "SortTask",

@@ -223,6 +223,11 @@ class Task(abc.ABC):
                     else self.reward_fn)
         return float(fn(completion, example))
 
+    def stats(self) -> dict[str, float]:
+        """Counters for the run's metrics (e.g. skipped data rows, scoring
+        timeouts); cumulative since the task was built. None by default."""
+        return {}
+
     def messages(self, example: Example) -> list[dict[str, str]]:
         """Chat messages for ``tokenizer.apply_chat_template``."""
         out = []

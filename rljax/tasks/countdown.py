@@ -14,17 +14,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import operator
-import re
 from typing import Optional
 
 import numpy as np
 
 from rljax.tasks import _parse
+from rljax.tasks import extract
 from rljax.tasks.base import Example, Task
 
 _OPERATORS = "+-*/"
 _MAX_REDRAWS = 10_000
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Candidates are the last pieces of the answer region's split at "=". A real
+# answer has two or three ("(3 + 5) * 3 = 24"); the bound keeps a chain of
+# 100k guesses from costing 100k parses (and from being checked one by one).
+MAX_PIECES = 8
 _EXPR_START = "0123456789("
 _EXPR_END = "0123456789)"
 _APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul,
@@ -36,22 +39,26 @@ def candidate_expressions(completion: str) -> list[str]:
 
     The answer region is the content of the last ``<answer>...</answer>``, else
     of the last ``\\boxed{...}``, else the last non-empty line. It is split at
-    "=" (so "(3 + 5) * 3 = 24" offers "(3 + 5) * 3" and "24"), and each piece
-    is trimmed to run from its first digit or "(" to its last digit or ")",
-    which drops labels like "Answer:" and markdown around the expression.
+    "=" (so "(3 + 5) * 3 = 24" offers "(3 + 5) * 3" and "24"; at most
+    ``MAX_PIECES`` pieces, split from the right, so the first one keeps any
+    earlier "="), and each piece is trimmed to run from its first digit or "("
+    to its last digit or ")", which drops labels like "Answer:" and markdown
+    around the expression.
     """
     text = _parse.normalize_operators(completion)
-    tags = _ANSWER_TAG_RE.findall(text)
+    # A linear scan (extract.last_tagged), not a lazy regex: the regex would
+    # rescan to the end from every "<answer>" that has no closing tag.
+    tag = extract.last_tagged(text, "<answer>", "</answer>")
     boxes = _parse.BOXED_RE.findall(text)
-    if tags:
-        region = tags[-1]
+    if tag is not None:
+        region = tag
     elif boxes:
         region = boxes[-1]
     else:
         lines = [line for line in text.splitlines() if line.strip()]
         region = lines[-1] if lines else ""
     pieces = []
-    for piece in region.split("="):
+    for piece in region.rsplit("=", MAX_PIECES - 1):
         start = next((i for i, c in enumerate(piece) if c in _EXPR_START), None)
         end = next((i for i in range(len(piece) - 1, -1, -1)
                     if piece[i] in _EXPR_END), None)
@@ -208,7 +215,8 @@ class CountdownTask(Task):
         how_often = "exactly once" if self.use_all else "at most once"
         return (
             "candidates: the last <answer>...</answer>, else the last "
-            "\\boxed{}, else the last non-empty line, split at '=' and trimmed "
+            "\\boxed{}, else the last non-empty line, split at '=' (the last "
+            f"{MAX_PIECES} pieces) and trimmed "
             "to digits/parentheses; 1.0 iff a candidate parses under the "
             "whitelist (integer literals, binary + - * /, parentheses), uses "
             f"each given number {how_often} and nothing else, and equals the "

@@ -7,13 +7,15 @@ import dataclasses
 from rljax.tasks.arithmetic import ArithmeticTask
 from rljax.tasks.base import Task
 from rljax.tasks.countdown import CountdownTask
+from rljax.tasks.dataset import DatasetTask
+from rljax.tasks.reasoning import ReasoningGymTask
 from rljax.tasks.strings import ReverseTask, SortTask
 from rljax.tasks.toy import ToyCopyTask, ToyReverseTask
 
 TASKS: dict[str, type[Task]] = {
     cls.name: cls
-    for cls in (ArithmeticTask, CountdownTask, ReverseTask, SortTask,
-                ToyCopyTask, ToyReverseTask)
+    for cls in (ArithmeticTask, CountdownTask, DatasetTask, ReasoningGymTask,
+                ReverseTask, SortTask, ToyCopyTask, ToyReverseTask)
 }
 
 
