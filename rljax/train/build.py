@@ -177,11 +177,25 @@ def with_teachers(config, sources: tuple, state, programs: "Programs", tokenizer
     return tuple(out)
 
 
-def build_policy(config, task, mesh=None, rules=parallel.DEFAULT_RULES):
+def preset_tokenizer(tasks):
+    """A random-init preset's tokenizer: the tasks' own character tokenizers, merged.
+
+    Toy tasks ship a CharTokenizer over their characters; sources with
+    different alphabets or separators need one vocabulary holding them all
+    (the first task's characters first, so one task keeps its ids). None
+    when no task ships a tokenizer.
+    """
+    toks = [t.tokenizer() for t in tasks if hasattr(t, "tokenizer")]
+    if not toks or not all(hasattr(t, "chars") for t in toks):
+        return toks[0] if toks else None
+    return type(toks[0])("".join(dict.fromkeys("".join(t.chars for t in toks))))
+
+
+def build_policy(config, tasks, mesh=None, rules=parallel.DEFAULT_RULES):
     """(model, tokenizer): pretrained weights, or a preset initialised from the seed.
 
-    A preset (e.g. `tiny`) trains from scratch with the task's own character
-    tokenizer (toy tasks ship one), sized to its vocabulary. With a `mesh`, a
+    A preset (e.g. `tiny`) trains from scratch with the tasks' own character
+    tokenizer (`preset_tokenizer`), sized to its vocabulary. With a `mesh`, a
     preset is initialised already sharded (parallel.init_sharded).
     """
     from rljax.models import config as model_config
@@ -190,10 +204,10 @@ def build_policy(config, task, mesh=None, rules=parallel.DEFAULT_RULES):
     m = config.model
     dtypes = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
     if m.source in model_config.preset_names():
-        if not hasattr(task, "tokenizer"):
+        tok = preset_tokenizer(tasks)
+        if tok is None:
             raise ValueError(f"model.source={m.source!r} is a random-init preset; it needs a "
                              f"task with its own tokenizer (toy tasks), not {config.task.name!r}")
-        tok = task.tokenizer()
         cfg = model_config.get_preset(m.source, vocab_size=tok.vocab_size, **dtypes)
         make = lambda: transformer.Decoder(cfg, rngs=nnx.Rngs(config.seed))  # noqa: E731
         if mesh is None:
@@ -298,7 +312,8 @@ def build(config, workdir, *, sampler=None):
     rules = parallel.rules_from_config(config)
     log.info("mesh %s", parallel.describe(mesh))
     sources = resolve_sources(config)
-    model, tokenizer = build_policy(config, sources[0].task, mesh, rules)
+    task = build_task(config)
+    model, tokenizer = build_policy(config, [s.task for s in sources] + [task], mesh, rules)
     graphdef, params = nnx.split(model)
     params = parallel.shard_params(params, mesh, rules)  # loaded weights
     optimizer = step_lib.make_optimizer(config.optim, config.steps)
@@ -341,6 +356,6 @@ def build(config, workdir, *, sampler=None):
     if sampler is None:
         sampler = build_sampler(config, model, rules, sync_dir=str(workdir / "sampler_sync"))
     sources = with_teachers(config, sources, state, programs, tokenizer)
-    run = Run(config=config, tokenizer=tokenizer, sources=sources, task=build_task(config),
+    run = Run(config=config, tokenizer=tokenizer, sources=sources, task=task,
               sampler=sampler, objective=objective, programs=programs, workdir=workdir)
     return run, state
