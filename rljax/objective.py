@@ -321,7 +321,6 @@ def token_streams(objective: Objective, rollout: Rollout, logprobs: Logprobs = L
     keep = fresh & offpolicy.truncation_keep(rollout.truncated_B, objective.mask_truncated)
     mask, _ = offpolicy.apply_row_filter(jnp.asarray(mask), keep)
     behavior = jnp.asarray(rollout.behavior_logp_BxT)
-    lp = logprobs
     component_B = np.asarray([s.component for s in sources])[np.asarray(rollout.source_B)]
     rl_mask = mask * jnp.asarray(component_B == "rl", jnp.float32)[:, None]
     adv = jnp.zeros(mask.shape, jnp.float32)
@@ -332,22 +331,23 @@ def token_streams(objective: Objective, rollout: Rollout, logprobs: Logprobs = L
     token_rewards = (None if rollout.token_rewards_BxT is None
                      else jnp.asarray(rollout.token_rewards_BxT))
     rewards = jnp.asarray(rollout.rewards_B, jnp.float32)
-    pi_old = lp.old_logp_BxT if lp.old_logp_BxT is not None else behavior
+    pi_old = logprobs.old_logp_BxT if logprobs.old_logp_BxT is not None else behavior
     pick = lambda x, rows: None if x is None else x[rows]  # noqa: E731
     for si, spec in enumerate(sources):
         rows = np.nonzero(group_row_B & (np.asarray(rollout.source_B) == si))[0]
         if spec.component != "rl" or rows.size == 0:
             continue
-        st = rl_streams(spec.estimator, rewards[rows], rl_mask[rows], group_size=n,
-                        old_logp_BxT=pi_old[rows], ref_logp_BxT=pick(lp.ref_logp_BxT, rows),
-                        values_BxT=pick(lp.values_BxT, rows),
+        rl = rl_streams(spec.estimator, rewards[rows], rl_mask[rows], group_size=n,
+                        old_logp_BxT=pi_old[rows],
+                        ref_logp_BxT=pick(logprobs.ref_logp_BxT, rows),
+                        values_BxT=pick(logprobs.values_BxT, rows),
                         token_rewards_BxT=pick(token_rewards, rows))
-        adv = adv.at[rows].set(st.advantages_BxT)
-        rl_mask = rl_mask.at[rows].set(st.mask_BxT)
-        if st.returns_BxT is not None:
-            returns = jnp.zeros(mask.shape, jnp.float32).at[rows].set(st.returns_BxT)
+        adv = adv.at[rows].set(rl.advantages_BxT)
+        rl_mask = rl_mask.at[rows].set(rl.mask_BxT)
+        if rl.returns_BxT is not None:
+            returns = jnp.zeros(mask.shape, jnp.float32).at[rows].set(rl.returns_BxT)
         prefix = "" if len(sources) == 1 else f"{spec.name}/"
-        metrics.update({prefix + k: v for k, v in st.metrics.items()})
+        metrics.update({prefix + k: v for k, v in rl.metrics.items()})
     continuation = np.nonzero(~group_row_B)[0]
     if continuation.size:
         # Rows closed by a multi-turn prefix break share their episode's
@@ -370,10 +370,11 @@ def token_streams(objective: Objective, rollout: Rollout, logprobs: Logprobs = L
     if rollout.env_mask_BxT is not None and env_w_B.any():
         # echo: cross-entropy on the environment's tokens after the first reply.
         live_B = jnp.asarray(np.asarray(rollout.active_B) & keep, jnp.float32)
-        env_w = jnp.asarray(rollout.env_mask_BxT) * live_B[:, None] * jnp.asarray(env_w_B)[:, None]
+        env_w = (jnp.asarray(rollout.env_mask_BxT) * live_B[:, None]
+                 * jnp.asarray(env_w_B)[:, None])
         ce_w = env_w if ce_w is None else ce_w + env_w
     if (component_B == "ref_kl").any():
-        if lp.teacher_logp_BxT is None:
+        if logprobs.teacher_logp_BxT is None:
             raise ValueError("rows of a ref_kl source need Logprobs.teacher_logp_BxT")
         w_B = _per_row(sources, rollout.source_B,
                        lambda s: s.weight * (s.component == "ref_kl"))
@@ -381,12 +382,13 @@ def token_streams(objective: Objective, rollout: Rollout, logprobs: Logprobs = L
     metrics.update({"dropped_rows": int(np.sum(~keep)), "stale_rows": int(np.sum(~fresh))})
     routing = rollout.routing_BxTxLxK
     return Streams(
-        tokens_BxT=jnp.asarray(rollout.tokens_BxT), positions_BxT=jnp.asarray(rollout.positions_BxT),
+        tokens_BxT=jnp.asarray(rollout.tokens_BxT),
+        positions_BxT=jnp.asarray(rollout.positions_BxT),
         behavior_logp_BxT=behavior, rl_mask_BxT=rl_mask, advantages_BxT=adv,
-        ce_weights_BxT=ce_w, ref_kl_weights_BxT=ref_kl_w, old_logp_BxT=lp.old_logp_BxT,
-        ref_logp_BxT=lp.ref_logp_BxT,
-        teacher_logp_BxT=lp.teacher_logp_BxT if ref_kl_w is not None else None,
-        values_BxT=lp.values_BxT, returns_BxT=returns,
+        ce_weights_BxT=ce_w, ref_kl_weights_BxT=ref_kl_w, old_logp_BxT=logprobs.old_logp_BxT,
+        ref_logp_BxT=logprobs.ref_logp_BxT,
+        teacher_logp_BxT=logprobs.teacher_logp_BxT if ref_kl_w is not None else None,
+        values_BxT=logprobs.values_BxT, returns_BxT=returns,
         routing_BxTxLxK=None if routing is None else jnp.asarray(routing), metrics=metrics)
 
 
@@ -404,18 +406,17 @@ def train_batch(objective: Objective, streams: Streams, rows) -> TrainBatch:
     norm = dict(mode=objective.norm, group_size=objective.group_size,
                 max_tokens=objective.max_tokens)
     pick = lambda x: None if x is None else x[rows]  # noqa: E731
-    s = streams
-    mask = s.rl_mask_BxT[rows]
+    mask = streams.rl_mask_BxT[rows]
     weighted = lambda w: None if w is None else normalizers.weighted_coefficients(  # noqa: E731
         w[rows], **norm)
     return TrainBatch(
-        tokens=s.tokens_BxT[rows], positions=s.positions_BxT[rows], loss_mask=mask,
-        behavior_logp=s.behavior_logp_BxT[rows], advantages=s.advantages_BxT[rows],
-        coef=normalizers.coefficients(mask, **norm), old_logp=pick(s.old_logp_BxT),
-        ref_logp=pick(s.ref_logp_BxT), teacher_logp=pick(s.teacher_logp_BxT),
-        ce_coef=weighted(s.ce_weights_BxT), ref_kl_coef=weighted(s.ref_kl_weights_BxT),
-        routing=pick(s.routing_BxTxLxK), returns=pick(s.returns_BxT),
-        old_values=pick(s.values_BxT))
+        tokens=streams.tokens_BxT[rows], positions=streams.positions_BxT[rows], loss_mask=mask,
+        behavior_logp=streams.behavior_logp_BxT[rows], advantages=streams.advantages_BxT[rows],
+        coef=normalizers.coefficients(mask, **norm), old_logp=pick(streams.old_logp_BxT),
+        ref_logp=pick(streams.ref_logp_BxT), teacher_logp=pick(streams.teacher_logp_BxT),
+        ce_coef=weighted(streams.ce_weights_BxT), ref_kl_coef=weighted(streams.ref_kl_weights_BxT),
+        routing=pick(streams.routing_BxTxLxK), returns=pick(streams.returns_BxT),
+        old_values=pick(streams.values_BxT))
 
 
 def policy_loss(loss: LossConfig, logp_BxT: jax.Array, batch: TrainBatch):

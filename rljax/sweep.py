@@ -105,7 +105,7 @@ def _fmt(value: Any) -> str:
 
 
 def _base_label(base: str) -> str:
-    """`configs/toy.py:dapo` -> `dapo`; `configs/dapo.py` -> `dapo`."""
+    """`configs/toy.py:dapo` -> `dapo`; `configs/toy.py` -> `toy`."""
     file, _, arg = base.partition(":")
     return arg or pathlib.Path(file).stem
 

@@ -13,7 +13,6 @@ import pathlib
 import runpy
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
