@@ -165,7 +165,7 @@ def _validate(config) -> None:
 
 def _help(name: str) -> str:
     cmd = COMMANDS[name]
-    lines = [f"rljax {name} {' '.join(cmd.positional)}: {cmd.help}"]
+    lines = [f"rljax {' '.join((name,) + cmd.positional)}: {cmd.help}"]
     if cmd.config is not None:
         lines.append("  --config PATH[:ARG]   a config file (get_config(ARG)); "
                      "--config.FIELD=VALUE overrides a field")

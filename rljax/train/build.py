@@ -23,6 +23,7 @@ from rljax import objective as objective_lib
 from rljax import parallel
 from rljax.batch import Rollout
 from rljax.train import checkpoint as ckpt_lib
+from rljax.train import collect
 from rljax.train import config as config_lib
 from rljax.train import rows as rows_lib
 from rljax.train import step as step_lib
@@ -39,7 +40,11 @@ class Source:
 
     share: its share of `rollout.prompts_per_step` groups.
     spec: how its rows enter the loss (component, estimator, weights).
-    reference_rows: rows are the task's reference answers, not samples (sft).
+    produce: how its groups are made, `(run, source, count, data_pos, *, seed,
+      version, stats, episodes) -> (groups, active, data_pos)`:
+      `collect.sampled_groups` (the policy's own samples, single- or
+      multi-turn) or `collect.reference_groups` (the task's answers). Another
+      producer (an environment harness) plugs in here.
     dynamic_sampling: resample groups whose rewards are all equal (DAPO).
     hint: the template of a prompt only the teacher sees ("" for none).
     teacher_kind: how its teacher is built: "" none, `frozen` (opd), `self` (opsd).
@@ -50,7 +55,7 @@ class Source:
     task: Any
     share: float
     spec: objective_lib.SourceSpec
-    reference_rows: bool = False
+    produce: Callable = collect.sampled_groups
     dynamic_sampling: bool = False
     hint: str = ""
     teacher_kind: str = ""
@@ -68,7 +73,9 @@ class Programs:
     train_step: parallel.ShardedFn
     logprob_fn: parallel.ShardedFn          # (params, tokens, positions) -> (logp, entropy)
     value_fn: Optional[parallel.ShardedFn]  # (critic params, tokens, positions) -> values
-    ref_params: Any = None                  # the initial policy, frozen (KL)
+    # (policy params, tokens, positions) -> the reference's log-probs (KL): by
+    # default the initial policy, frozen; None when no KL needs it.
+    reference_logp: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +113,8 @@ class Run:
         old = ref = values = teacher = None
         if self.objective.recompute_old_logp:
             old, _ = p.logprob_fn(state.params, tokens, positions)
-        if p.ref_params is not None:
-            ref, _ = p.logprob_fn(p.ref_params, tokens, positions)
+        if p.reference_logp is not None:
+            ref = p.reference_logp(state.params, tokens, positions)
         if p.value_fn is not None:
             values = p.value_fn(state.critic_params, tokens, positions)
         for si, src in enumerate(self.sources):
@@ -156,7 +163,8 @@ def resolve_sources(config) -> tuple:
             weight=s.ce_weight if alg.component == "ce" else 1.0,
             env_weight=s.ce_weight if alg.echo else 0.0)
         out.append(Source(name, build_task(config, s.task, s.args, s.reward_fn), s.weight, spec,
-                          reference_rows=alg.rows == "reference",
+                          produce=(collect.reference_groups if alg.rows == "reference"
+                                   else collect.sampled_groups),
                           dynamic_sampling=config.dapo.dynamic_sampling and alg.component == "rl",
                           hint=s.get("hint", ""), teacher_kind=alg.teacher))
     return tuple(out)
@@ -233,6 +241,14 @@ def build_sampler(config, model, rules=parallel.DEFAULT_RULES, sync_dir=None):
     # gathered and resharded onto it at every sync.
     mesh = parallel.make_sampler_mesh(config.mesh.sampler_tensor)
     return sampling.InProcessSampler(model, mesh=mesh, rules=rules)
+
+
+def frozen_logp(logprob_fn, params) -> Callable:
+    """(policy params, tokens, positions) -> log-probs of fixed `params` (a frozen copy)."""
+    def logp(policy_params, tokens_BxT, positions_BxT):
+        del policy_params
+        return logprob_fn(params, tokens_BxT, positions_BxT)[0]
+    return logp
 
 
 def frozen_teacher(config, name: str, path: str, state, programs: Programs,
@@ -350,9 +366,11 @@ def build(config, workdir, *, sampler=None):
             graphdef, temperature=config.rollout.temperature,
             chunk_size=config.model.chunk_size), batch_sharding, feed=(1, 2),
             local_outputs=True),
-        value_fn=value_fn,
+        value_fn=value_fn)
+    if objective.needs_ref_logp:
         # The reference policy is the initial one, frozen.
-        ref_params=jax.tree.map(jnp.copy, params) if objective.needs_ref_logp else None)
+        programs = dataclasses.replace(programs, reference_logp=frozen_logp(
+            programs.logprob_fn, jax.tree.map(jnp.copy, params)))
     if sampler is None:
         sampler = build_sampler(config, model, rules, sync_dir=str(workdir / "sampler_sync"))
     sources = with_teachers(config, sources, state, programs, tokenizer)

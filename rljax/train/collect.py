@@ -3,11 +3,11 @@
 Free functions over a `build.Run` (only its config, tokenizer, sources,
 sampler and lock are read, so a Run built by hand with a scripted sampler
 exercises all of this without a model). A step's `prompts_per_step` groups
-are split over the sources by their shares; each source's groups are
-sampled (single-turn, or whole multi-turn episodes), resampled while
-dynamic sampling asks for informative groups, or taken from the task's
-reference answers; then scored, padded into one Rollout, and rows the
-sampler got wrong are dropped (counted).
+are split over the sources by their shares; each source's `produce` makes
+its groups: sampled (single-turn, or whole multi-turn episodes) and
+resampled while dynamic sampling asks for informative ones, or taken from
+the task's reference answers. They are scored, padded into one Rollout, and
+rows the sampler got wrong are dropped (counted).
 """
 
 import logging
@@ -223,8 +223,10 @@ def sampled_groups(run, source, count: int, pos: int, *, seed: int, version: int
     return kept + filler[:short], [True] * len(kept) + [False] * short, pos
 
 
-def reference_groups(run, source, count: int, pos: int, *, version: int, stats: dict):
+def reference_groups(run, source, count: int, pos: int, *, seed: int, version: int,
+                     stats: dict, episodes: list):
     """(groups, active, pos): rows of (prompt, reference answer + EOS), no sampling."""
+    del seed, episodes  # nothing is sampled
     from rljax.sampling import Completion
     n = run.config.group_size
     examples, prompts, pos = next_examples(run, source, pos, count * n, stats)
@@ -263,13 +265,9 @@ def collect(run, data_pos, *, seed: int, version: int) -> Rollout:
     for si, (src, count) in enumerate(zip(run.sources, counts)):
         if count == 0:
             continue
-        if src.reference_rows:
-            got, act, data_pos[src.name] = reference_groups(
-                run, src, count, data_pos[src.name], version=version, stats=stats)
-        else:
-            got, act, data_pos[src.name] = sampled_groups(
-                run, src, count, data_pos[src.name], seed=seed * 31 + si, version=version,
-                stats=stats, episodes=episodes)
+        got, act, data_pos[src.name] = src.produce(
+            run, src, count, data_pos[src.name], seed=seed * 31 + si, version=version,
+            stats=stats, episodes=episodes)
         groups += got
         active_G += act
         source_G += [si] * len(got)
