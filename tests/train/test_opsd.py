@@ -131,3 +131,27 @@ def test_opsd_signal_mixes_with_grpo_rows_and_learns(tmp_path):
     # untrained reaches CONTROL_EVAL from copying alone; learning through the
     # hinted teacher goes well past it.
     assert after > max(before, CONTROL_EVAL) + 0.1, summary
+
+
+@pytest.mark.parametrize("source,env,match", [
+    (dict(algorithm="opsd", hint="{solution}"), "", r"sources.rev.hint=.*\{answer\}.*unknown: \['solution'\]"),
+    (dict(algorithm="opsd", hint="no answer here"), "", r"must use \{answer\}"),
+    (dict(algorithm="opsd", hint="{answer"), "", "not a format string"),
+    (dict(algorithm="grpo", hint="{answer}="), "", "read only by algorithm='opsd'"),
+    (dict(algorithm="opsd", teacher="runs/x"), "", "teacher is read only by algorithm='opd'"),
+    (dict(algorithm="opsd"), "toy_multiturn", "single-turn rows"),
+])
+def test_opsd_source_is_validated_before_any_work(source, env, match):
+    c = opsd_config()
+    with c.sources.unlocked():
+        c.sources.rev = config_lib.source("toy_reverse", args=REVERSE, **source)
+    with c.env.unlocked():
+        c.env.name = env
+    with pytest.raises(ValueError, match=match):
+        config_lib.validate(c)
+
+
+def test_opsd_default_hint_shows_the_answer():
+    s = config_lib.source("arithmetic", algorithm="opsd")
+    assert s.hint == config_lib.DEFAULT_HINT
+    assert s.hint.format(prompt="Compute 2 + 3.", answer=5).endswith("(A correct answer is: 5)")
