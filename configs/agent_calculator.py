@@ -1,6 +1,7 @@
 """GRPO on SmolLM2-135M-Instruct with a calculator tool, on the arithmetic task.
 
 Run: rljax train --config configs/agent_calculator.py --workdir runs/calc
+(`--config configs/agent_calculator.py:dapo` for another recipe.)
 The model may write <calc>EXPR</calc>; the environment answers with the value
 (a user turn, loss mask 0) and the episode goes on until a reply without a
 tool call, which is scored by the task's exact reward, or the turn limit.

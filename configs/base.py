@@ -1,10 +1,12 @@
-"""The common base of every run config: a recipe's five axes plus the trainer.
+"""The run config of any recipe: its five axes plus the trainer's defaults (the main job).
 
-Run: rljax train --config configs/base.py:<recipe> [--config.FIELD=VALUE ...]
-The per-recipe files (`configs/dapo.py`, ...) call this with their name. The
-config is locked: an unknown key fails, and validation rejects impossible
-combinations after the command-line overrides are applied. Every field is
-documented in rljax/train/config.py and rljax/recipes.py.
+Run:   rljax train --config configs/base.py:dapo [--config.FIELD=VALUE ...]
+Print: rljax config --config configs/base.py:dapo
+`:<recipe>` picks one of `rljax recipes` (default grpo, which is also what
+`rljax train` uses without --config). The config is locked: an unknown key
+fails, and validation rejects impossible combinations after the command-line
+overrides are applied. Every field is commented in rljax/train/config.py and
+rljax/recipes.py.
 """
 
 from rljax.train import config as config_lib

@@ -1,6 +1,7 @@
 """Toy: a tiny transformer learns to copy short strings from scratch, with GRPO.
 
 Run: rljax train --config configs/toy.py --workdir runs/toy
+(`--config configs/toy.py:dapo` trains the same toy with another recipe.)
 It needs no pretrained weights: the `tiny` preset is initialised from the seed
 and the task ships its own character tokenizer. Dense rewards (fraction of
 characters right) make it learn within about a minute on 2 CPU cores; the

@@ -1,6 +1,7 @@
 """Toy multi-turn: the tiny model answers the copy prompt twice in one episode.
 
 Run: rljax train --config configs/toy_multiturn.py --workdir runs/toy_mt
+(`--config configs/toy_multiturn.py:rloo` for another recipe.)
 Each episode is one row: prompt, first answer, the environment's repeated
 prompt (loss mask 0), second answer. Each turn earns half its copy score, so
 the return is the mean score. The suite's multi-turn learning test trains it.

@@ -1,4 +1,4 @@
-"""The aggregation (loss normalization) modes of SPEC.md axis 2 under GRPO.
+"""The aggregation (loss normalization) modes of docs/algorithms.md §3 under GRPO.
 
 Run: rljax sweep experiments/aggregation.py
 Every token-level mode on the same advantages and trust region; `seq_mean`

@@ -91,17 +91,21 @@ def mismatch_metrics(logp_BxT, behavior_logp_BxT, mask_BxT) -> dict:
             "mismatch_k3": jnp.sum(k3) / count}
 
 
-def staleness_keep(policy_version_B, current_version, max_staleness: int):
+# Row filters read host-side row metadata (versions, flags), so they are
+# numpy: their counts are known before anything is traced or dispatched.
+
+
+def staleness_keep(policy_version_B, current_version, max_staleness: int) -> np.ndarray:
     """Rows sampled at most `max_staleness` versions ago (bool [B])."""
     if max_staleness < 0:
         raise ValueError(f"offpolicy.max_staleness={max_staleness} must be >= 0")
-    return (current_version - jnp.asarray(policy_version_B)) <= max_staleness
+    return (current_version - np.asarray(policy_version_B)) <= max_staleness
 
 
-def truncation_keep(truncated_B, mask_truncated: bool):
+def truncation_keep(truncated_B, mask_truncated: bool) -> np.ndarray:
     """Drops rows that hit the token limit without a stop token when asked."""
-    t = jnp.asarray(truncated_B, bool)
-    return ~t if mask_truncated else jnp.ones_like(t)
+    t = np.asarray(truncated_B, bool)
+    return ~t if mask_truncated else np.ones_like(t)
 
 
 def apply_row_filter(mask_BxT: jax.Array, keep_B: jax.Array):

@@ -153,7 +153,7 @@ _RECIPES = {r.name: r for r in [
 
 
 def names() -> list[str]:
-    """All recipe names, in the order of SPEC.md's table."""
+    """All recipe names, in the order of docs/algorithms.md §8."""
     return list(_RECIPES)
 
 

@@ -31,7 +31,7 @@ TOKEN_LEVEL = ("none", "clip", "sequence_clip_token", "cispo", "sapo",
 SEQUENCE_LEVEL = ("sequence_clip", "gmpo")
 TYPES = TOKEN_LEVEL + SEQUENCE_LEVEL
 
-# Defaults of every trust-region parameter (SPEC.md axis 3). Recipes override.
+# Defaults of every trust-region parameter (docs/algorithms.md §4). Recipes override.
 DEFAULTS = dict(
     eps_low=0.2,        # clip / sequence_clip: lower bound 1 - eps_low
     eps_high=0.2,       # clip / sequence_clip: upper bound 1 + eps_high
@@ -97,7 +97,7 @@ def surrogate_terms(
     mask_BxT: jax.Array,
     **params,
 ) -> SurrogateOutput:
-    """Per-token terms of trust region `kind` (SPEC.md axis 3 table).
+    """Per-token terms of trust region `kind` (docs/algorithms.md §4).
 
     none:   -A rho, rho = exp(logp - sg(logp)): REINFORCE, gradient A grad logp.
     clip:   -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); dual clip: for

@@ -44,16 +44,6 @@ from typing import Any, Optional
 _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 _SWEEP_KEYS = {"name", "base", "overrides", "product", "fixed"}
 
-USAGE = """usage: rljax sweep SWEEP.py [--print] [--workdir DIR] [--steps N]
-
-  SWEEP.py     a file whose get_sweep() returns {"base": ..., "overrides": [...]}
-               or {"base": ..., "product": {key: [values]}}
-  --print      print one `rljax train` command per point instead of running
-  --workdir    the sweep directory (default runs/sweeps/<name>)
-  --steps N    override every point's `steps` (a quick smoke run)
-"""
-
-
 @dataclasses.dataclass
 class Point:
     """One sweep point: its label, base config and overrides (dotted keys)."""
@@ -115,7 +105,7 @@ def _fmt(value: Any) -> str:
 
 
 def _base_label(base: str) -> str:
-    """`configs/toy.py:dapo` -> `dapo`; `configs/dapo.py` -> `dapo`."""
+    """`configs/toy.py:dapo` -> `dapo`; `configs/toy.py` -> `toy`."""
     file, _, arg = base.partition(":")
     return arg or pathlib.Path(file).stem
 
@@ -409,57 +399,3 @@ def run_sweep(sweep: dict, workdir=None, *, print_only: bool = False,
         # Rewritten after every point: a killed sweep still has its table.
         write_results(rows, workdir, title=sweep["name"])
     return rows
-
-
-def _pop_flag(args: list[str], name: str, *, takes_value: bool = True):
-    for i, a in enumerate(args):
-        if a == f"--{name}":
-            if not takes_value:
-                del args[i]
-                return True
-            if i + 1 >= len(args):
-                raise ValueError(f"--{name} needs a value")
-            value = args[i + 1]
-            del args[i:i + 2]
-            return value
-        if takes_value and a.startswith(f"--{name}="):
-            del args[i]
-            return a.split("=", 1)[1]
-    return False if not takes_value else None
-
-
-def cli_main(argv: list[str]) -> None:
-    """`rljax sweep SWEEP.py [--print] [--workdir DIR] [--steps N]`; argv[0] is the program."""
-    args = list(argv[1:])
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
-        return
-    print_only = _pop_flag(args, "print", takes_value=False)
-    workdir = _pop_flag(args, "workdir")
-    steps = _pop_flag(args, "steps")
-    if steps is not None:
-        try:
-            steps = int(steps)
-        except ValueError:
-            raise ValueError(f"--steps={steps!r} is not an integer") from None
-    if len(args) != 1:
-        raise ValueError(f"expected one sweep file, got {args}\n{USAGE}")
-    sweep = load_sweep(args[0])
-    if not print_only:
-        import logging
-        from absl import logging as absl_logging
-        absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
-        logging.basicConfig(level=logging.INFO,
-                            format="%(levelname)s %(name)s: %(message)s")
-    rows = run_sweep(sweep, workdir, print_only=print_only, steps=steps)
-    if print_only:
-        return
-    workdir = pathlib.Path(rows[0]["run_dir"]).parent
-    print(markdown_table(rows, MD_COLUMNS))
-    print(f"results: {workdir / 'results.csv'}, {workdir / 'results.md'}, "
-          f"{workdir / 'results.png'}")
-    failed = [r["point"] for r in rows if r["error"]]
-    if failed:
-        print(f"rljax sweep: {len(failed)} point(s) failed: {failed}; see error.txt in "
-              "their run directories", file=sys.stderr)
-        sys.exit(1)

@@ -1,4 +1,4 @@
-"""Axis 1: golden values from SPEC.md, identities, zero-variance groups, GAE."""
+"""Axis 1: golden values (docs/algorithms.md §2, §11), identities, zero-variance groups, GAE."""
 
 import chex
 import jax

@@ -1,4 +1,4 @@
-"""policy_loss and rl_streams: gradients, micro-batch invariance, identities, jit.
+"""policy_loss, rl_streams and train_batch: gradients, micro-batch invariance, identities, jit.
 
 One off-policy batch, B = 8 rows in 2 groups of 4, T = 6, is reused everywhere
 so each jitted function compiles once per config.
@@ -10,7 +10,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -55,38 +54,36 @@ def _cfg(name, **kw):
     return recipes.get(name, **kw)
 
 
-def _batch(cfg, rewards=REWARDS, mask=MASK, rho=RHO, advantages=None):
+def _batch(cfg, rewards=REWARDS, mask=MASK, rho=RHO):
+    """(logp, the optimizer-step TrainBatch of every row, its Streams), as the trainer builds it."""
     logp, old, ref, values = _arrays(rho)
-    s = rljax.rl_streams(cfg, jnp.asarray(rewards), jnp.asarray(mask), group_size=N,
-                         max_tokens=LMAX, old_logp_BxT=jnp.asarray(old),
-                         ref_logp_BxT=jnp.asarray(ref),
-                         values_BxT=jnp.asarray(values))
-    batch = TrainBatch(
-        tokens=jnp.zeros((B, T), jnp.int32),
-        positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-        loss_mask=jnp.asarray(mask), behavior_logp=jnp.asarray(old),
-        advantages=s.advantages_BxT if advantages is None else jnp.asarray(advantages),
-        coef=s.coef_BxT, old_logp=jnp.asarray(old), ref_logp=jnp.asarray(ref))
-    return jnp.asarray(logp), batch, s
+    obj = rljax.Objective.from_config(cfg, group_size=N, max_tokens=LMAX)
+    rollout = rljax.Rollout.from_arrays(jnp.asarray(rewards), jnp.asarray(mask),
+                                        behavior_logp_BxT=jnp.asarray(old))
+    streams = rljax.token_streams(obj, rollout, rljax.Logprobs(
+        old_logp_BxT=jnp.asarray(old), ref_logp_BxT=jnp.asarray(ref),
+        values_BxT=jnp.asarray(values)))
+    batch = rljax.train_batch(obj, streams, np.arange(B))
+    return jnp.asarray(logp), batch, streams
 
 
-def _frozen(cfg):
-    return ml_collections.FrozenConfigDict(cfg)
+def _loss(cfg):
+    return rljax.LossConfig.from_config(cfg)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(fc):
-    loss = jax.jit(lambda lp, b: rljax.policy_loss(fc, lp, b)[0])
+def _jitted(lc):
+    loss = jax.jit(lambda lp, b: rljax.policy_loss(lc, lp, b)[0])
     return loss, jax.jit(jax.value_and_grad(loss))
 
 
 def _loss_fn(cfg):
-    return _jitted(_frozen(cfg))[0]
+    return _jitted(_loss(cfg))[0]
 
 
 def _value_and_grad(cfg):
     """Jitted value_and_grad of policy_loss, shared by every test of a config."""
-    return _jitted(_frozen(cfg))[1]
+    return _jitted(_loss(cfg))[1]
 
 
 def _grad(cfg, logp, batch):
@@ -281,7 +278,7 @@ def test_max_rl_changes_only_the_advantages():
     assert d1 == d2
     logp, b_grpo, s_grpo = _batch(grpo)
     _, b_mrl, s_mrl = _batch(mrl)
-    np.testing.assert_array_equal(s_mrl.coef_BxT, s_grpo.coef_BxT)
+    np.testing.assert_array_equal(b_mrl.coef, b_grpo.coef)
     # MaxRL (r - mean)/mean: (1,-1,-1,1, 3,-1,-1,-1) on each row's tokens.
     np.testing.assert_allclose(
         s_mrl.advantages_BxT,
@@ -295,7 +292,7 @@ def test_max_rl_changes_only_the_advantages():
 
 
 def test_kl_in_loss_value_matches_spec_check():
-    # SPEC: logp = -1, ref = -1.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307.
+    # docs/algorithms.md §6: logp = -1, ref = -1.5 -> k3 = e^-0.5 + 0.5 - 1 = 0.1065307.
     cfg = _cfg("grpo")
     mask = np.zeros((B, T), np.float32)
     mask[0, 0] = 1.0
@@ -305,7 +302,7 @@ def test_kl_in_loss_value_matches_spec_check():
                        loss_mask=jnp.asarray(mask), behavior_logp=lp,
                        advantages=jnp.zeros((B, T)), coef=jnp.asarray(mask),
                        old_logp=lp, ref_logp=jnp.full((B, T), -1.5))
-    loss, m = rljax.policy_loss(_frozen(cfg), lp, batch)
+    loss, m = rljax.policy_loss(_loss(cfg), lp, batch)
     # A = 0: the clip term is 0; loss = c beta k3 = 0.04 * 0.1065307 = 0.00426123.
     np.testing.assert_allclose(loss, 0.04 * 0.1065307, rtol=1e-5)
     np.testing.assert_allclose(m["kl"], 0.1065307, rtol=1e-5)
@@ -326,8 +323,8 @@ def test_ce_and_ref_kl_components():
                        behavior_logp=lp, advantages=jnp.zeros((B, T)),
                        coef=jnp.asarray(MASK) / 24.0, ce_coef=jnp.asarray(ce),
                        ref_kl_coef=jnp.asarray(rk), teacher_logp=jnp.asarray(teacher))
-    fc = _frozen(cfg)
-    (loss, m), g = jax.value_and_grad(lambda x: rljax.policy_loss(fc, x, batch),
+    lc = _loss(cfg)
+    (loss, m), g = jax.value_and_grad(lambda x: rljax.policy_loss(lc, x, batch),
                                       has_aux=True)(lp)
     # ce: -sum 0.5 * logp = -0.5 * (-1) * 2 = 1.0
     np.testing.assert_allclose(m["loss_ce"], 1.0, rtol=1e-6)
@@ -345,10 +342,11 @@ def test_ce_and_ref_kl_components():
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_compute_advantages_with_and_without_jit(jit):
-    cfg = _frozen(recipes.get("grpo"))
+    cfg = recipes.get("grpo")
     r = jnp.asarray([1.0, 0.0, 0.0, 0.0])
     if jit:
-        f = jax.jit(lambda r: objective.row_advantages(cfg, r, group_size=4).advantages_B)
+        est = rljax.Estimator.from_config(cfg)
+        f = jax.jit(lambda r: objective.row_advantages(est, r, group_size=4).advantages_B)
         a = f(r)
     else:
         a = rljax.compute_advantages(cfg, r, group_size=4)
@@ -360,7 +358,7 @@ def test_compute_advantages_with_and_without_jit(jit):
 @pytest.mark.parametrize("name", ["grpo", "gspo"])
 def test_policy_loss_jit_matches_eager_and_does_not_recompile(name):
     cfg = _cfg(name)
-    fc = _frozen(cfg)
+    fc = _loss(cfg)
     logp, batch, _ = _batch(cfg)
     eager_v, eager_m = rljax.policy_loss(fc, logp, batch)
     step = jax.jit(jax.value_and_grad(rljax.policy_loss, argnums=1, has_aux=True),
@@ -376,7 +374,7 @@ def test_policy_loss_jit_matches_eager_and_does_not_recompile(name):
     batch2 = batch.replace(advantages=-batch.advantages, old_logp=batch.old_logp - 0.1)
     logp2 = logp + 0.05
     with count_compiles() as compiles:
-        (v2, _), _ = step(ml_collections.FrozenConfigDict(cfg), logp2, batch2)
+        (v2, _), _ = step(rljax.LossConfig.from_config(cfg), logp2, batch2)
         v2.block_until_ready()
     assert compiles == []
     assert step._cache_size() == 1
@@ -394,24 +392,23 @@ def test_token_weights_and_rl_streams_do_not_recompile():
         w2.block_until_ready()
     assert compiles == []
     assert not np.allclose(w1, w2)
-    # rl_streams under jit (config and sizes static): once per shape.
-    f = jax.jit(rljax.rl_streams, static_argnums=0,
-                static_argnames=("group_size", "max_tokens"))
-    fc = _frozen(cfg)
-    s1 = f(fc, jnp.asarray(REWARDS), jnp.asarray(MASK), group_size=N, max_tokens=LMAX)
+    # rl_streams under jit (estimator and group size static): once per shape.
+    f = jax.jit(rljax.rl_streams, static_argnums=0, static_argnames=("group_size",))
+    est = rljax.Estimator.from_config(cfg)
+    s1 = f(est, jnp.asarray(REWARDS), jnp.asarray(MASK), group_size=N)
     r2, m2 = jnp.asarray(REWARDS[::-1].copy()), jnp.asarray(MASK)
     with count_compiles() as compiles:
-        s2 = f(fc, r2, m2, group_size=N, max_tokens=LMAX)
-        s2.coef_BxT.block_until_ready()
+        s2 = f(est, r2, m2, group_size=N)
+        s2.advantages_BxT.block_until_ready()
     assert compiles == [] and f._cache_size() == 1
-    s_eager = rljax.rl_streams(cfg, jnp.asarray(REWARDS), jnp.asarray(MASK),
-                               group_size=N, max_tokens=LMAX)
+    s_eager = rljax.rl_streams(est, jnp.asarray(REWARDS), jnp.asarray(MASK), group_size=N)
     np.testing.assert_allclose(s1.advantages_BxT, s_eager.advantages_BxT, rtol=1e-6)
-    np.testing.assert_allclose(s1.coef_BxT, s_eager.coef_BxT, rtol=1e-6)
+    np.testing.assert_array_equal(s1.mask_BxT, s_eager.mask_BxT)
+    assert not np.allclose(s1.advantages_BxT, s2.advantages_BxT)
 
 
 def test_token_weights_under_an_outer_jit():
-    cfg = _frozen(_cfg("dapo"))
+    cfg = _cfg("dapo")
     logp, old, _, _ = _arrays()
     f = jax.jit(lambda r, m, lp, o: rljax.token_weights(cfg, r, m, group_size=N,
                                                         logp=lp, old_logp=o))

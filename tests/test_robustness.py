@@ -7,7 +7,6 @@ so every jitted function compiles once per config.
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from hypothesis import given, settings, HealthCheck
@@ -69,19 +68,16 @@ def test_all_zero_mask_gives_zero_weights_loss_and_finite_metrics(name):
     w = rljax.token_weights(cfg, [1, 0, 0, 0, 1, 1, 0, 0], zero, group_size=N,
                             max_tokens=LMAX)
     np.testing.assert_array_equal(w, 0.0)
-    s = rljax.rl_streams(cfg, jnp.asarray([1.0, 0, 0, 0, 1, 1, 0, 0]), jnp.asarray(zero),
-                         group_size=N, max_tokens=LMAX, old_logp_BxT=jnp.asarray(zero),
-                         ref_logp_BxT=jnp.asarray(zero), values_BxT=jnp.asarray(zero))
-    np.testing.assert_array_equal(s.coef_BxT, 0.0)
-    batch = TrainBatch(tokens=jnp.zeros((B, T), jnp.int32),
-                       positions=jnp.zeros((B, T), jnp.int32), loss_mask=jnp.asarray(zero),
-                       behavior_logp=jnp.full((B, T), jnp.nan),
-                       advantages=s.advantages_BxT, coef=s.coef_BxT,
-                       ref_logp=jnp.full((B, T), jnp.nan))
+    obj = rljax.Objective.from_config(cfg, group_size=N, max_tokens=LMAX)
+    rollout = rljax.Rollout.from_arrays(np.asarray([1.0, 0, 0, 0, 1, 1, 0, 0], np.float32), zero,
+                                        behavior_logp_BxT=np.full((B, T), np.nan, np.float32))
+    s = rljax.token_streams(obj, rollout, rljax.Logprobs(
+        ref_logp_BxT=jnp.full((B, T), jnp.nan), values_BxT=jnp.asarray(zero)))
+    batch = rljax.train_batch(obj, s, np.arange(B))
+    np.testing.assert_array_equal(batch.coef, 0.0)
     lp = jnp.full((B, T), -jnp.inf)
     (loss, m), g = jax.value_and_grad(
-        lambda x: rljax.policy_loss(ml_collections.FrozenConfigDict(cfg), x, batch),
-        has_aux=True)(lp)
+        lambda x: rljax.policy_loss(obj.loss, x, batch), has_aux=True)(lp)
     assert loss == 0.0
     np.testing.assert_array_equal(g, 0.0)
     for k, v in m.items():
@@ -122,13 +118,13 @@ def test_nan_or_inf_rewards(data, name):
     with pytest.raises(ValueError, match="rewards"):
         rljax.token_weights(cfg, r, mask, group_size=N, max_tokens=LMAX)
     # Under jit: finite outputs, the bad groups skipped and counted.
-    s = _jit_streams(ml_collections.FrozenConfigDict(cfg))(jnp.asarray(r), jnp.asarray(mask),
-                                                            jnp.zeros((B, T)))
+    adv, coef, _, metrics = _jit_pipeline(name)(jnp.asarray(r), jnp.asarray(mask),
+                                                jnp.zeros((B, T)))
     bad_groups = sorted({b // N for b in bad_rows})
-    assert int(s.metrics["invalid_groups"]) == len(bad_groups)
-    for k, v in s.metrics.items():
+    assert int(metrics["invalid_groups"]) == len(bad_groups)
+    for k, v in metrics.items():
         assert np.all(np.isfinite(np.asarray(v))), k
-    adv, coef = np.asarray(s.advantages_BxT), np.asarray(s.coef_BxT)
+    adv, coef = np.asarray(adv), np.asarray(coef)
     assert np.all(np.isfinite(adv)) and np.all(np.isfinite(coef))
     for g in bad_groups:
         np.testing.assert_array_equal(adv[g * N:(g + 1) * N], 0.0)
@@ -138,56 +134,64 @@ def test_nan_or_inf_rewards(data, name):
     m2 = mask.copy()
     for g in bad_groups:
         m2[g * N:(g + 1) * N] = 0.0
-    s2 = _jit_streams(ml_collections.FrozenConfigDict(cfg))(
+    adv2, coef2, _, _ = _jit_pipeline(name)(
         jnp.asarray(np.nan_to_num(r, posinf=0.0, neginf=0.0)), jnp.asarray(m2),
         jnp.zeros((B, T)))
-    np.testing.assert_allclose(coef, s2.coef_BxT, rtol=1e-6)
+    np.testing.assert_allclose(coef, coef2, rtol=1e-6)
     good = [b for b in range(B) if b // N not in bad_groups]
-    np.testing.assert_allclose(adv[good], np.asarray(s2.advantages_BxT)[good], rtol=1e-6)
+    np.testing.assert_allclose(adv[good], np.asarray(adv2)[good], rtol=1e-6)
 
 
-_STREAMS = {}
+_PIPELINES = {}
 
 
-def _jit_streams(fc):
-    if fc not in _STREAMS:
-        _STREAMS[fc] = jax.jit(lambda r, m, z: rljax.rl_streams(
-            fc, r, m, group_size=N, max_tokens=LMAX, old_logp_BxT=z, ref_logp_BxT=z,
-            values_BxT=z))
-    return _STREAMS[fc]
+def _jit_pipeline(name, **overrides):
+    """Jitted rollout -> streams -> one-step TrainBatch, as the trainer runs them:
+    (advantages, coefficients, returns, advantage metrics). Values are zeros."""
+    key = (name, tuple(sorted(overrides.items())))
+    if key not in _PIPELINES:
+        obj = rljax.Objective.from_config(recipes.get(name, **overrides), group_size=N,
+                                          max_tokens=LMAX)
+
+        def run(r, m, values):
+            z = jnp.zeros((B, T))
+            rollout = rljax.Rollout.from_arrays(r, m, behavior_logp_BxT=z)
+            s = rljax.token_streams(obj, rollout, rljax.Logprobs(ref_logp_BxT=z,
+                                                                 values_BxT=values))
+            batch = rljax.train_batch(obj, s, np.arange(B))
+            metrics = {k: v for k, v in s.metrics.items() if not isinstance(v, int)}
+            return s.advantages_BxT, batch.coef, s.returns_BxT, metrics
+        _PIPELINES[key] = jax.jit(run)
+    return _PIPELINES[key]
 
 
 def test_gae_nan_reward_row_is_skipped_and_counted():
-    cfg = ml_collections.FrozenConfigDict(recipes.get("ppo"))
     mask = _mask([2, 5, 3, 4, 6, 1, 0, 3])
     r = np.asarray([1, np.nan, 0, 1, 1, 0, np.inf, 0], np.float32)
-    s = _jit_streams(cfg)(jnp.asarray(r), jnp.asarray(mask), jnp.zeros((B, T)))
-    assert int(s.metrics["invalid_rows"]) == 2
-    adv = np.asarray(s.advantages_BxT)
-    assert np.all(np.isfinite(adv)) and np.all(np.isfinite(np.asarray(s.returns_BxT)))
+    adv, coef, returns, metrics = _jit_pipeline("ppo")(jnp.asarray(r), jnp.asarray(mask),
+                                                       jnp.zeros((B, T)))
+    assert int(metrics["invalid_rows"]) == 2
+    adv = np.asarray(adv)
+    assert np.all(np.isfinite(adv)) and np.all(np.isfinite(np.asarray(returns)))
     np.testing.assert_array_equal(adv[1], 0.0)
-    np.testing.assert_array_equal(np.asarray(s.coef_BxT)[1], 0.0)
+    np.testing.assert_array_equal(np.asarray(coef)[1], 0.0)
     # token_mean over the 24 - 5 = 19 remaining tokens (row 6 is already empty).
-    np.testing.assert_allclose(np.asarray(s.coef_BxT)[0, 0], 1 / 19, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(coef)[0, 0], 1 / 19, rtol=1e-6)
 
 
 def test_gae_whitening_ignores_skipped_rows():
-    cfg = ml_collections.FrozenConfigDict(recipes.get("ppo", **{"advantage.whiten": True}))
     mask = _mask([2, 5, 3, 4, 6, 1, 0, 3])
     values = jnp.full((B, T), 0.2)
     r = np.asarray([1, np.nan, 0, 1, 1, 0, 0, 0], np.float32)
-    f = jax.jit(lambda r, m: rljax.rl_streams(cfg, r, m, group_size=N, max_tokens=LMAX,
-                                              old_logp_BxT=jnp.zeros((B, T)),
-                                              ref_logp_BxT=jnp.zeros((B, T)),
-                                              values_BxT=values))
-    s = f(jnp.asarray(r), jnp.asarray(mask))
+    f = _jit_pipeline("ppo", **{"advantage.whiten": True})
+    adv = f(jnp.asarray(r), jnp.asarray(mask), values)[0]
     # The same batch with row 1 dropped up front (mask 0, finite reward).
     m2 = mask.copy()
     m2[1] = 0.0
-    s2 = f(jnp.asarray(np.nan_to_num(r)), jnp.asarray(m2))
+    adv2 = f(jnp.asarray(np.nan_to_num(r)), jnp.asarray(m2), values)[0]
     # Sanity: whitened advantages of the kept tokens have mean 0 there.
-    np.testing.assert_allclose(np.sum(np.asarray(s2.advantages_BxT) * m2), 0.0, atol=1e-4)
-    np.testing.assert_allclose(s.advantages_BxT, s2.advantages_BxT, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.sum(np.asarray(adv2) * m2), 0.0, atol=1e-4)
+    np.testing.assert_allclose(adv, adv2, rtol=1e-5, atol=1e-6)
 
 
 # --- shapes ---------------------------------------------------------------------------
@@ -199,7 +203,8 @@ def _good_batch():
                       behavior_logp=z, advantages=z, coef=z, old_logp=z, ref_logp=z)
 
 
-_GRPO = ml_collections.FrozenConfigDict(recipes.get("grpo"))
+_GRPO = recipes.get("grpo")
+_GRPO_LOSS = rljax.LossConfig.from_config(_GRPO)
 _MASK = _mask([2, 5, 3, 4, 6, 1, 0, 3])
 _R = [1.0, 0, 0, 1, 1, 0, 0, 0]
 
@@ -216,25 +221,44 @@ SHAPE_ERRORS = [
         _GRPO, _R, np.ones(B), group_size=N), "mask"),
     ("group_size", lambda: rljax.compute_advantages(_GRPO, _R, group_size=3), "group_size"),
     ("rl_streams values", lambda: rljax.rl_streams(
-        recipes.get("ppo"), jnp.asarray(_R), jnp.asarray(_MASK), group_size=N,
-        old_logp_BxT=jnp.zeros((B, T)), ref_logp_BxT=jnp.zeros((B, T)),
+        rljax.Estimator.from_config(recipes.get("ppo")), jnp.asarray(_R), jnp.asarray(_MASK),
+        group_size=N, old_logp_BxT=jnp.zeros((B, T)), ref_logp_BxT=jnp.zeros((B, T)),
         values_BxT=jnp.zeros((B, T - 2))), "values_BxT"),
+    ("policy_loss takes a LossConfig", lambda: rljax.policy_loss(
+        _GRPO, jnp.zeros((B, T)), _good_batch()), "LossConfig"),
+    ("rollout source out of range", lambda: rljax.token_streams(
+        rljax.Objective.from_config(_GRPO), rljax.Rollout.from_arrays(
+            np.zeros(B, np.float32), _MASK, source_B=np.full(B, 3))), "source_B"),
+    ("rollout not whole groups", lambda: rljax.token_streams(
+        rljax.Objective.from_config(_GRPO, group_size=3),
+        rljax.Rollout.from_arrays(np.zeros(B, np.float32), _MASK)), "whole groups"),
+    ("rollout shapes", lambda: rljax.Rollout.from_arrays(
+        np.zeros(B, np.float32), _MASK, behavior_logp_BxT=np.zeros((B, T + 1))).validate(),
+     "Rollout.behavior_logp_BxT"),
+    ("minibatch not whole groups", lambda: rljax.train_batch(
+        rljax.Objective.from_config(_GRPO, group_size=N), rljax.token_streams(
+            rljax.Objective.from_config(_GRPO, group_size=N),
+            rljax.Rollout.from_arrays(np.zeros(B, np.float32), _MASK),
+            rljax.Logprobs(ref_logp_BxT=jnp.zeros((B, T)))), np.arange(3)), "whole groups"),
+    ("ref_kl without a teacher", lambda: rljax.policy_loss(
+        _GRPO_LOSS, jnp.zeros((B, T)), _good_batch().replace(ref_kl_coef=jnp.zeros((B, T)))),
+     "teacher_logp"),
     ("policy_loss logp", lambda: rljax.policy_loss(
-        _GRPO, jnp.zeros((B, T - 1)), _good_batch()), "logp_BxT"),
+        _GRPO_LOSS, jnp.zeros((B, T - 1)), _good_batch()), "logp_BxT"),
     ("policy_loss coef", lambda: rljax.policy_loss(
-        _GRPO, jnp.zeros((B, T)), _good_batch().replace(coef=jnp.zeros((B, 1)))),
+        _GRPO_LOSS, jnp.zeros((B, T)), _good_batch().replace(coef=jnp.zeros((B, 1)))),
      "TrainBatch.coef"),
     ("policy_loss row advantages", lambda: rljax.policy_loss(
-        _GRPO, jnp.zeros((B, T)), _good_batch().replace(advantages=jnp.zeros(B))),
+        _GRPO_LOSS, jnp.zeros((B, T)), _good_batch().replace(advantages=jnp.zeros(B))),
      "TrainBatch.advantages"),
     ("policy_loss old_logp", lambda: rljax.policy_loss(
-        _GRPO, jnp.zeros((B, T)), _good_batch().replace(old_logp=jnp.zeros((B - 1, T)))),
+        _GRPO_LOSS, jnp.zeros((B, T)), _good_batch().replace(old_logp=jnp.zeros((B - 1, T)))),
      "TrainBatch.old_logp"),
     ("policy_loss NaN advantages", lambda: rljax.policy_loss(
-        _GRPO, jnp.zeros((B, T)), _good_batch().replace(advantages=jnp.full((B, T), jnp.nan))),
+        _GRPO_LOSS, jnp.zeros((B, T)), _good_batch().replace(advantages=jnp.full((B, T), jnp.nan))),
      "advantages"),
     ("policy_loss grpo without ref", lambda: rljax.policy_loss(
-        _GRPO, jnp.zeros((B, T)), _good_batch().replace(ref_logp=None)), "ref_logp"),
+        _GRPO_LOSS, jnp.zeros((B, T)), _good_batch().replace(ref_logp=None)), "ref_logp"),
     ("split", lambda: _good_batch().split(3), "micro-batches"),
 ]
 

@@ -1,6 +1,6 @@
-"""Axis 3: per-token terms and gradients of every trust region (SPEC.md, axis 3).
+"""Axis 3: per-token terms and gradients of every trust region (docs/algorithms.md §4).
 
-Every golden value below is derived by hand from SPEC.md; the arithmetic sits
+Every golden value below is derived by hand from docs/algorithms.md §4; the arithmetic sits
 next to it. Single tokens use `old_logp = 0`, `logp = log(rho)`, so the ratio is
 exactly `rho` and `d rho / d logp = rho`. Gradients are `d l / d logp`.
 """
@@ -55,10 +55,10 @@ def _row(kind, logr, adv, *, jit=False, coef=None, **params):
     return t[0, :n], g[0, :n], out.metrics
 
 
-# --- SPEC.md's check values ----------------------------------------------------
+# --- the check values of docs/algorithms.md §4 ----------------------------------------------------
 
 # (kind, params, rho, A, term, gradient)
-SPEC_CHECKS = [
+CHECK_VALUES = [
     # A=+1, rho=1.5, eps 0.2: -min(1.5, clip(1.5, .8, 1.2)=1.2) = -1.2; the
     # clipped branch is constant -> zero gradient.
     ("clip", {}, 1.5, 1.0, -1.2, 0.0),
@@ -84,7 +84,7 @@ SPEC_CHECKS = [
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("kind,params,rho,adv,term,grad", SPEC_CHECKS)
+@pytest.mark.parametrize("kind,params,rho,adv,term,grad", CHECK_VALUES)
 def test_spec_check_values(jit, kind, params, rho, adv, term, grad):
     t, g, _ = _row(kind, [LN(rho)], adv, jit=jit, **params)
     np.testing.assert_allclose(t[0], term, rtol=1e-6, atol=1e-6)
@@ -220,7 +220,7 @@ def test_prob_mask(p, adv, signed, term, grad):
 # --- sequence-level -------------------------------------------------------------
 
 def _seq(kind, logr, adv, **params):
-    # Coefficient 1/L on each token so the row term counts once (SPEC seq_mean).
+    # Coefficient 1/L on each token so the row term counts once (seq_mean, docs/algorithms.md §3).
     n = len(logr)
     return _row(kind, logr, adv, coef=[1.0 / n] * n, **params)
 
@@ -380,7 +380,7 @@ def test_ratio_mask_extreme_ratios_are_dropped_with_zero_gradient():
 
 
 def test_log_ratio_is_clamped_before_exp():
-    # SPEC: logr clamped to [-20, 20] before exp. ratio for logr = 50 is e^20.
+    # docs/algorithms.md §4: logr clamped to [-20, 20] before exp. ratio for logr = 50 is e^20.
     logp = _pad([[50.0]])
     out = surrogates.surrogate_terms("clip", logp, jnp.zeros(SHAPE),
                                      -jnp.ones(SHAPE), _pad([[1.0]]))

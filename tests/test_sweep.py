@@ -92,8 +92,8 @@ def test_print_emits_one_runnable_command_per_point(tmp_path, capsys, monkeypatc
     monkeypatch.chdir(ROOT)
     file = _write_sweep(tmp_path / "eps.py", {
         "base": f"{TOY}:dapo", "product": {"loss.eps_high": [0.2, 0.28], "task.name": ["toy_copy"]}})
-    sweep_lib.cli_main(["rljax", str(file), "--print", "--workdir", str(tmp_path / "w"),
-                        "--steps", "5"])
+    assert cli.main(["rljax", "sweep", str(file), "--print", "--workdir",
+                     str(tmp_path / "w"), "--steps", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert calls == [] and not (tmp_path / "w").exists()
     assert len(lines) == 2
@@ -101,10 +101,11 @@ def test_print_emits_one_runnable_command_per_point(tmp_path, capsys, monkeypatc
     assert argv[:4] == ["rljax", "train", "--config", f"{TOY}:dapo"]
     assert argv[4:6] == ["--workdir", str(tmp_path / "w" / "01_loss.eps_high=0.28_task.name=toy_copy")]
     # The printed line is what `rljax train` parses: the overrides arrive typed.
-    config, rest = cli.load_config(argv[1:])
+    args = cli.parse("train", argv[2:])
+    config = args.config
     assert config.loss.eps_high == 0.28 and config.steps == 5
     assert config.task.name == "toy_copy" and config.recipe == "dapo"
-    assert rest[1:] == ["--workdir", argv[5]]
+    assert args.workdir == argv[5]
 
 
 def _fake_train(fail_seed):

@@ -1,6 +1,6 @@
 """Token weights `w = -d loss / d logp` of every recipe on worked batches.
 
-All expected values are derived by hand from SPEC.md (advantage, normalizer and
+All expected values are derived by hand from docs/algorithms.md (§2 advantages, §3 normalizers and
 trust-region tables); the arithmetic sits next to each. Advantages use the
 default `eps = 1e-6` added to the population std.
 """
@@ -121,7 +121,7 @@ def test_small_batch_recipes_are_distinguishable():
             assert not np.allclose(distinct[a], distinct[b]), (a, b)
 
 
-# --- DESIGN.md's example -----------------------------------------------------------
+# --- docs/algorithms.md §11's example -----------------------------------------------------------
 # rewards (1,0,0,0), lengths (200, 800, 800, 800), a 1000-token limit, one group.
 D_REWARDS = [1.0, 0.0, 0.0, 0.0]
 D_LENGTHS = [200, 800, 800, 800]
@@ -131,7 +131,7 @@ DP = 0.75 / (SD_1000 + EPS)            # 1.7320468
 DN = -0.25 / (SD_1000 + EPS)           # -0.5773489
 
 # (weight per success token, weight per failure token)
-DESIGN_EXPECTED = {
+LONG_TAIL_EXPECTED = {
     # GRPO: 1.7320468 / (4 * 200) = 2.1650585e-3 ; -0.5773489 / (4 * 800) = -1.8042154e-4
     "grpo": (DP / 800, DN / 3200),
     "gspo": (DP / 800, DN / 3200),
@@ -154,25 +154,25 @@ DESIGN_EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def design_weights():
+def long_tail_weights():
     m = _mask(D_LENGTHS, D_T)
     return {n: np.asarray(rljax.token_weights(recipes.get(n), D_REWARDS, m,
                                               group_size=4, max_tokens=D_LMAX))
             for n in recipes.names()}
 
 
-def test_design_example_grpo_exact(design_weights):
-    w = design_weights["grpo"]
-    # About +2.2e-3 per success token and -1.8e-4 per failure token (DESIGN.md).
+def test_long_tail_example_grpo_exact(long_tail_weights):
+    w = long_tail_weights["grpo"]
+    # About +2.2e-3 per success token and -1.8e-4 per failure token (docs/algorithms.md §11).
     np.testing.assert_allclose(w[0, :200], 1.7320468 / (4 * 200), rtol=1e-6)
     np.testing.assert_allclose(w[1:, :], -0.5773489 / (4 * 800), rtol=1e-6)
     np.testing.assert_array_equal(w[0, 200:], 0.0)
 
 
 @pytest.mark.parametrize("name", recipes.names())
-def test_design_example_every_recipe(name, design_weights):
-    w = design_weights[name]
-    succ, fail = DESIGN_EXPECTED[name]
+def test_long_tail_example_every_recipe(name, long_tail_weights):
+    w = long_tail_weights[name]
+    succ, fail = LONG_TAIL_EXPECTED[name]
     if name == "ppo":
         # last success token, first success token, failures.
         np.testing.assert_allclose(w[0, 199], succ, rtol=2e-6)

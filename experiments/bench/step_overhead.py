@@ -99,7 +99,7 @@ def main():
     for name in RECIPES:
         c = config_lib.get_config(name, **{"rollout.temperature": 1.0})
         fns[name] = step_lib.make_train_step(c, graphdef, optimizer, chunk_size=256)
-    states = {k: step_lib.init_state(jax.tree.map(jnp.copy, params), optimizer, 0)
+    states = {k: step_lib.init_state(jax.tree.map(jnp.copy, params), optimizer)
               for k in fns}
     times = {k: [] for k in fns}
     for _ in range(args.rounds):  # interleaved rounds: drift hits every step alike

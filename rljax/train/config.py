@@ -4,7 +4,9 @@ Every field is commented here, once; configs/*.py only set values. The result
 is locked (an unknown key fails) and validated.
 """
 
+import dataclasses
 import math
+import string
 
 import ml_collections
 
@@ -120,36 +122,63 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     return c
 
 
-# Per-source algorithms (SPEC.md, "Per-source algorithms and loss components"):
-# the outcome estimators set the advantage of the `rl` stream; `sft` and
-# `opd` feed the `ce` and `ref_kl` components instead.
+# Per-source algorithms (docs/algorithms.md §9). An algorithm only says which
+# loss component a source's rows feed and where they come from; train/build.py
+# reads this table once, and nothing after it sees the name.
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """component: rl | ce | ref_kl. baseline/scale: the estimator an rl source
+    swaps into the recipe's advantage. rows: `sampled` (the policy's own) or
+    `reference` (the task's answers). teacher: `frozen` (sources.<name>.teacher)
+    or `self` (the live policy, prompted with sources.<name>.hint). echo: also
+    `ce` on the environment tokens of multi-turn rows."""
+
+    component: str
+    baseline: str | None = None
+    scale: str | None = None
+    rows: str = "sampled"
+    teacher: str = ""
+    echo: bool = False
+
+
 ALGORITHMS = {
-    "grpo": ("group_mean", "group_std"),
-    "max_rl": ("group_mean", "group_mean"),
-    "rloo": ("leave_one_out", "none"),
-    "dr_grpo": ("group_mean", "none"),
-    "echo": ("group_mean", "group_std"),  # + ce on environment tokens
-    "sft": None,
-    "opd": None,
+    "grpo": Algorithm("rl", "group_mean", "group_std"),
+    "max_rl": Algorithm("rl", "group_mean", "group_mean"),
+    "rloo": Algorithm("rl", "leave_one_out", "none"),
+    "dr_grpo": Algorithm("rl", "group_mean", "none"),
+    "echo": Algorithm("rl", "group_mean", "group_std", echo=True),
+    "sft": Algorithm("ce", rows="reference"),
+    "opd": Algorithm("ref_kl", teacher="frozen"),
+    "opsd": Algorithm("ref_kl", teacher="self"),
 }
+
+# The teacher's prompt of an opsd source: the task's prompt with its
+# reference answer, which the student never sees. Fields: {prompt}, {answer}.
+DEFAULT_HINT = "{prompt}\n\n(A correct answer is: {answer})"
+HINT_FIELDS = ("prompt", "answer")
 
 
 def source(task: str, *, weight: float = 1.0, algorithm: str = "grpo",
            args: dict | None = None, teacher: str = "", ce_weight: float = 1.0,
-           reward_fn: str = "") -> ml_collections.ConfigDict:
+           reward_fn: str = "", hint: str = "") -> ml_collections.ConfigDict:
     """One task source of a mixed batch (put it under `config.sources.<name>`).
 
     weight: share of `rollout.prompts_per_step` groups drawn from it.
-    algorithm: grpo | max_rl | rloo | dr_grpo (an `rl` stream with that
+    algorithm: grpo | max_rl | rloo | dr_grpo | echo (an `rl` stream with that
       estimator), sft (`ce` on the task's reference answers), opd (`ref_kl` to
-      `teacher` on the policy's own samples).
+      `teacher` on the policy's own samples), opsd (`ref_kl` to the live policy
+      prompted with `hint`).
     teacher: opd only; a run directory (its latest checkpoint, same
       architecture) or a pretrained source with the policy's tokenizer.
     ce_weight: sft's target weight; echo's weight on environment tokens
-      (default 0.1 for echo, SPEC.md).
+      (default 0.1 for echo, docs/algorithms.md §9).
+    hint: opsd only; the teacher's user message, a format string over
+      {prompt} and {answer} (default DEFAULT_HINT).
     """
     if algorithm == "echo" and ce_weight == 1.0:
         ce_weight = 0.1
+    if algorithm == "opsd" and not hint:
+        hint = DEFAULT_HINT
     s = ml_collections.ConfigDict()
     s.task = task
     s.args = ml_collections.ConfigDict(args or {})
@@ -158,6 +187,7 @@ def source(task: str, *, weight: float = 1.0, algorithm: str = "grpo",
     s.teacher = teacher
     s.ce_weight = float(ce_weight)
     s.reward_fn = reward_fn
+    s.hint = hint
     return s
 
 
@@ -201,8 +231,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             raise ValueError(f"sources.{name}.weight={src.weight} must be > 0")
         if src.algorithm == "opd" and not src.teacher:
             raise ValueError(f"sources.{name}.algorithm='opd' needs sources.{name}.teacher")
+        if src.algorithm != "opd" and src.teacher:
+            raise ValueError(f"sources.{name}.teacher is read only by algorithm='opd' "
+                             f"(got algorithm={src.algorithm!r})")
         if src.algorithm == "rloo" and c.group_size < 2:
             raise ValueError(f"sources.{name}.algorithm='rloo' needs group_size >= 2")
+        _validate_hint(c, name, src)
     if len(c.sources) and c.advantage.estimator == "gae":
         raise ValueError("config.sources mixes outcome estimators; advantage.estimator="
                          "'gae' (PPO) trains a single task with its critic")
@@ -210,6 +244,28 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise ValueError("rollout.temperature must be > 0 for training (the "
                          "behavior log-probs need a distribution)")
     return c
+
+
+def _validate_hint(c: ml_collections.ConfigDict, name: str, src) -> None:
+    """An opsd source's hint template, and only opsd reads one."""
+    hint = src.get("hint", "")
+    if src.algorithm != "opsd":
+        if hint:
+            raise ValueError(f"sources.{name}.hint is read only by algorithm='opsd' "
+                             f"(got algorithm={src.algorithm!r})")
+        return
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(hint) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"sources.{name}.hint={hint!r} is not a format string: {e}") from None
+    bad = sorted(fields - set(HINT_FIELDS))
+    if bad or "answer" not in fields:
+        raise ValueError(f"sources.{name}.hint={hint!r} must use {{answer}} and only the "
+                         f"fields {', '.join('{' + f + '}' for f in HINT_FIELDS)}"
+                         + (f"; unknown: {bad}" if bad else ""))
+    if c.env.name:
+        raise ValueError(f"sources.{name}.algorithm='opsd' scores single-turn rows; "
+                         f"env.name={c.env.name!r} makes multi-turn episodes")
 
 
 def _validate_mesh(c: ml_collections.ConfigDict, rows_per_micro_batch: int) -> None:

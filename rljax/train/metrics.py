@@ -1,5 +1,6 @@
 """Run-directory metrics: one JSON object per step in metrics.jsonl, and
-TensorBoard event files; only process 0 writes.
+TensorBoard event files; only process 0 writes. `rollout_metrics` summarises
+a step's rows (reward, length, truncation, staleness).
 
 On resume, lines after the restored step are dropped first, so the file
 never holds two versions of a step.
@@ -67,3 +68,27 @@ class MetricsWriter:
 def read(workdir) -> list[dict]:
     path = pathlib.Path(workdir) / "metrics.jsonl"
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def rollout_metrics(rollout, source_names, version: int) -> dict:
+    """Reward, pass rate, length, truncation and staleness of a rollout's active rows."""
+    active = np.asarray(rollout.active_B)
+    r = np.asarray(rollout.rewards_B)[active]
+    if r.size == 0:
+        return {"reward_mean": 0.0, "reward_std": 0.0, "pass_rate": 0.0, "response_len": 0.0}
+    finite = r[np.isfinite(r)]
+    per_source = {}
+    if len(source_names) > 1:
+        for si, name in enumerate(source_names):
+            rs = np.asarray(rollout.rewards_B)[active & (np.asarray(rollout.source_B) == si)]
+            rs = rs[np.isfinite(rs)]
+            if rs.size:
+                per_source[f"reward_mean/{name}"] = float(np.mean(rs))
+    return per_source | {
+        "reward_mean": float(np.mean(finite)) if finite.size else 0.0,
+        "reward_std": float(np.std(finite)) if finite.size else 0.0,
+        "pass_rate": float(np.mean(finite >= 1.0)) if finite.size else 0.0,
+        "response_len": float(np.mean(rollout.completion_len_B[active])),
+        "truncated_frac": float(np.mean(np.asarray(rollout.truncated_B)[active])),
+        "staleness": float(np.mean(version - np.asarray(rollout.version_B))),
+    }

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from rljax.train.rollout import Row
+from rljax.train.rows import Row
 
 
 @dataclasses.dataclass

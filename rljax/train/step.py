@@ -3,7 +3,7 @@
 `make_train_step` closes over the static parts (config, the model's graph,
 the optimizer) and returns `step(state, batch) -> (state, metrics)`: the
 batch is one optimizer step's rows with its coefficients already computed
-over all of them (rljax.objective.rl_streams), split into micro-batches and
+over all of them (rljax.objective.train_batch), split into micro-batches and
 scanned, so the accumulated gradient is exactly the full-batch gradient.
 A non-finite loss or gradient skips the update: params and optimizer state
 are kept, `skipped` is 1 in the metrics, and the loop counts and logs it.
@@ -24,12 +24,15 @@ from rljax.models import logprobs as logprobs_lib
 
 @flax.struct.dataclass
 class TrainState:
-    """Everything a step changes. params: the policy's nnx.State."""
+    """Everything a step changes. params: the policy's nnx.State.
+
+    step counts applied (not skipped) updates. Sampling seeds derive from the
+    loop's step and the config's seed, so the state holds no RNG.
+    """
 
     params: Any
     opt_state: Any
     step: jax.Array   # int32 []
-    rng: jax.Array    # PRNG key
     critic_params: Any = None      # PPO: the value model's nnx.State
     critic_opt_state: Any = None
 
@@ -141,6 +144,7 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
     rljax.parallel) the step is jitted with those in/out shardings.
     """
     temperature = config.rollout.temperature if "rollout" in config else 1.0
+    loss_config = objective.LossConfig.from_config(config)
 
     # FSDP: weights are stored sharded over `fsdp` and gathered for compute (their
     # gradients reduce-scattered back); left to propagation, the compiler would
@@ -159,7 +163,7 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
         logp, ent = logprobs_lib.sequence_logprobs(
             model, mb.tokens, mb.positions, routing_BxTxLxK=mb.routing,
             temperature=temperature, chunk_size=chunk_size, return_entropy=True)
-        loss, metrics = objective.policy_loss(config, logp, mb)
+        loss, metrics = objective.policy_loss(loss_config, logp, mb)
         m = mb.loss_mask > 0
         metrics["entropy"] = (jnp.sum(jnp.where(m, ent, 0.0))
                               / jnp.maximum(jnp.sum(m), 1))
@@ -219,7 +223,6 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
         state = TrainState(
             params=params, opt_state=opt_state,
             step=state.step + ok.astype(jnp.int32),
-            rng=jax.random.fold_in(state.rng, state.step),
             critic_params=critic_params, critic_opt_state=critic_opt,
         )
         metrics["grad_norm"] = grad_norm
@@ -233,10 +236,8 @@ def make_train_step(config, graphdef, optimizer, *, micro_batches: int = 1,
                    out_shardings=(state_sharding, None))
 
 
-def init_state(params, optimizer, seed: int, critic_params=None,
-               critic_optimizer=None) -> TrainState:
+def init_state(params, optimizer, critic_params=None, critic_optimizer=None) -> TrainState:
     return TrainState(
-        params=params, opt_state=optimizer.init(params),
-        step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed),
+        params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
         critic_params=critic_params,
         critic_opt_state=None if critic_params is None else critic_optimizer.init(critic_params))

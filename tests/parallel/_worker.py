@@ -18,8 +18,8 @@ from flax import nnx
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-from rljax import normalizers, objective, parallel  # noqa: E402
-from rljax.batch import TrainBatch  # noqa: E402
+from rljax import objective, parallel  # noqa: E402
+from rljax.batch import Rollout, TrainBatch  # noqa: E402
 from rljax.models import ValueModel, get_preset  # noqa: E402
 from rljax.models import transformer  # noqa: E402
 from rljax.train import config as config_lib  # noqa: E402
@@ -75,21 +75,14 @@ def make_batch(config, graphdef, params, seed: int) -> TrainBatch:
     ref = (logp + rng.normal(0, 0.1, logp.shape)).astype(np.float32) * mask
     rewards = rng.integers(0, 2, ROWS).astype(np.float32)
     values = rng.normal(0, 0.5, (ROWS, T)).astype(np.float32) if config.advantage.estimator == "gae" else None
-    needs_ref = config.kl.placement != "none"
-    old = behavior if config.offpolicy.recompute_old_logp else None
-    streams = objective.rl_streams(config, jnp.asarray(rewards), jnp.asarray(mask),
-                                   old_logp_BxT=jnp.asarray(behavior),
-                                   ref_logp_BxT=jnp.asarray(ref) if needs_ref else None,
-                                   values_BxT=None if values is None else jnp.asarray(values))
-    coef = normalizers.coefficients(streams.mask_BxT, mode=config.loss.norm, group_size=GROUP,
-                                    max_tokens=config.max_tokens)
-    batch = TrainBatch(
-        tokens=tokens, positions=positions, loss_mask=np.asarray(streams.mask_BxT),
-        behavior_logp=behavior, advantages=np.asarray(streams.advantages_BxT), coef=np.asarray(coef),
-        old_logp=old, ref_logp=ref if needs_ref else None,
-        policy_version=np.zeros((ROWS,), np.int32),
-        returns=None if values is None else np.asarray(streams.returns_BxT),
-        old_values=values)
+    # The trainer's own composition: rollout -> streams -> one optimizer step's batch.
+    obj = objective.Objective.from_config(config)
+    rollout = Rollout.from_arrays(rewards, mask, behavior_logp_BxT=behavior, tokens_BxT=tokens,
+                                  positions_BxT=positions)
+    streams = objective.token_streams(obj, rollout, objective.Logprobs(
+        old_logp_BxT=behavior if obj.recompute_old_logp else None,
+        ref_logp_BxT=ref if obj.needs_ref_logp else None, values_BxT=values))
+    batch = objective.train_batch(obj, streams, np.arange(ROWS))
     return jax.tree.map(np.asarray, batch)
 
 
@@ -109,7 +102,8 @@ def _param_error(new: dict, ref: dict, start: dict) -> tuple[float, float, str]:
 
 
 def _init(params, optimizer, seed, critic_params, critic_optimizer):
-    return step_lib.init_state(params, optimizer, seed, critic_params, critic_optimizer)
+    del seed  # the state holds no RNG
+    return step_lib.init_state(params, optimizer, critic_params, critic_optimizer)
 
 
 def steps(cases: list[str]) -> dict:
@@ -243,15 +237,15 @@ def trainer(workdir: str, overrides: str, out_path: str) -> dict:
     c = runpy.run_path(str(root / "configs" / "toy.py"))["get_config"]()
     recipes.apply_overrides(c, **json.loads(overrides))
     config_lib.validate(c)
-    t = loop.Trainer(c, workdir)
-    summary = t.run()
+    t = loop.Trainer.create(c, workdir)
+    summary = t.train()
     params = _flat(t.state)  # a collective on several processes: every process gathers
     if jax.process_index() == 0:
         np.savez(out_path, **params)
     return {"process": jax.process_index(), "processes": jax.process_count(),
-            "devices": jax.device_count(), "mesh": parallel.describe(t.mesh),
-            "sampler_devices": int(next(iter(jax.tree.leaves(t.sampler.params))).sharding.num_devices),
-            "step_programs": t.train_step._cache_size(), "summary": summary}
+            "devices": jax.device_count(), "mesh": parallel.describe(t.run.programs.mesh),
+            "sampler_devices": int(next(iter(jax.tree.leaves(t.run.sampler.params))).sharding.num_devices),
+            "step_programs": t.run.programs.train_step._cache_size(), "summary": summary}
 
 
 def main(argv):

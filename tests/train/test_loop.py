@@ -1,5 +1,6 @@
 """The trainer end to end on configs/toy.py: learning, resume, skips, DAPO, async."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -14,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rljax import objective
 from rljax import recipes
+from rljax.train import build
+from rljax.train import collect
 from rljax.train import config as config_lib
 from rljax.train import loop
 from rljax.train import metrics as metrics_lib
@@ -66,7 +70,10 @@ def test_killed_run_resumes_on_the_same_trajectory(tmp_path):
         while time.time() < deadline:
             steps = [json.loads(l)["step"] for l in path.read_text().splitlines()
                      if l.strip()] if path.exists() else []
-            if any(s >= 5 for s in steps):
+            # Kill once step 5 is logged and step 3's checkpoint is final (orbax
+            # renames it into place), so the resume has a checkpoint to start from
+            # however slowly the asynchronous save runs on a loaded machine.
+            if any(s >= 5 for s in steps) and (killed / "checkpoints" / "3").is_dir():
                 break
             if proc.poll() is not None:
                 pytest.fail("the run ended before it could be killed")
@@ -91,12 +98,12 @@ def test_killed_run_resumes_on_the_same_trajectory(tmp_path):
 
 def test_nonfinite_step_is_skipped_and_state_kept():
     config = toy_config()
-    trainer = loop.Trainer(config, "/tmp/rljax-test-unused-" + str(os.getpid()))
+    trainer = loop.Trainer.create(config, "/tmp/rljax-test-unused-" + str(os.getpid()))
     ro = trainer.collect(0, seed=1)
     before = jax.tree.map(np.asarray, trainer.state.params)
     # Poison the behavior log-probs after the rollout check, as a broken
     # numeric path would: the loss is NaN and the update must be skipped.
-    ro.arrays.behavior_logp[:] = np.nan
+    ro.behavior_logp_BxT[:] = np.nan
     m = trainer.train_on(ro, 0)
     assert m["skipped"] == 1
     after = jax.tree.map(np.asarray, trainer.state.params)
@@ -110,8 +117,8 @@ def test_nonfinite_step_is_skipped_and_state_kept():
 
 def test_garbage_from_the_sampler_is_dropped_and_counted(tmp_path):
     config = toy_config()
-    trainer = loop.Trainer(config, tmp_path)
-    real = trainer.sampler
+    trainer = loop.Trainer.create(config, tmp_path)
+    real = trainer.run.sampler
 
     class Garbage:
         version = 0
@@ -125,10 +132,10 @@ def test_garbage_from_the_sampler_is_dropped_and_counted(tmp_path):
         def update_weights(self, state, version):
             real.update_weights(state, version)
 
-    trainer.sampler = Garbage()
+    trainer.run = dataclasses.replace(trainer.run, sampler=Garbage())
     ro = trainer.collect(0, seed=0)
     assert ro.stats["bad_sampler_rows"] == 2
-    assert not ro.active[0] and not ro.active[1] and ro.active[2:].all()
+    assert not ro.active_B[0] and not ro.active_B[1] and ro.active_B[2:].all()
     m = trainer.train_on(ro, 0)
     assert m["skipped"] == 0 and np.isfinite(m["loss"])
     trainer.checkpointer.close()
@@ -136,22 +143,22 @@ def test_garbage_from_the_sampler_is_dropped_and_counted(tmp_path):
 
 def test_consecutive_skips_stop_the_run_with_state_saved(tmp_path):
     config = toy_config(steps=6, **{"train.max_consecutive_skips": 1})
-    trainer = loop.Trainer(config, tmp_path)
+    trainer = loop.Trainer.create(config, tmp_path)
     real_train_on = trainer.train_on
 
     def poisoned(ro, step):
-        ro.arrays.behavior_logp[:] = np.nan
+        ro.behavior_logp_BxT[:] = np.nan
         return real_train_on(ro, step)
 
     trainer.train_on = poisoned
     with pytest.raises(RuntimeError, match="2 consecutive steps.*non-finite"):
-        trainer.run()
+        trainer.train()
     assert trainer.checkpointer.latest_step() == 2
 
 
 def test_nan_rewards_are_counted_not_propagated(tmp_path):
     config = toy_config(**{"task.reward_fn": "tests.train.rewards_fixture:nan_reward"})
-    trainer = loop.Trainer(config, tmp_path)
+    trainer = loop.Trainer.create(config, tmp_path)
     m = trainer.train_on(trainer.collect(0, seed=0), 0)
     assert m["invalid_groups"] == config.rollout.prompts_per_step
     assert np.isfinite(m["loss"]) and m["loss"] == 0.0
@@ -164,12 +171,12 @@ def test_dapo_dynamic_sampling_keeps_informative_groups(tmp_path):
         "task.reward_fn": "tests.train.rewards_fixture:constant_for_even_prompts",
         "dapo.overlong": False})
     assert config.dapo.dynamic_sampling
-    trainer = loop.Trainer(config, tmp_path)
+    trainer = loop.Trainer.create(config, tmp_path)
     ro = trainer.collect(0, seed=0)
     assert ro.stats["filtered_groups"] > 0
     n = config.group_size
-    r = ro.rewards.reshape(-1, n)
-    act = ro.active.reshape(-1, n)[:, 0]
+    r = ro.rewards_B.reshape(-1, n)
+    act = ro.active_B.reshape(-1, n)[:, 0]
     # Every active group carries signal; fillers (if any) are masked out.
     assert all(np.ptp(g) > 0 for g in r[act])
     assert ro.stats["dynamic_sampling_shortfall"] == int((~act).sum())
@@ -192,12 +199,13 @@ def test_async_generation_runs_ahead_within_staleness(tmp_path):
 def test_train_step_guard_in_isolation():
     """The jitted step alone: NaN loss -> same params, skipped=1, no recompile."""
     config = toy_config()
-    trainer = loop.Trainer(config, "/tmp/rljax-test-guard-" + str(os.getpid()))
+    trainer = loop.Trainer.create(config, "/tmp/rljax-test-guard-" + str(os.getpid()))
     ro = trainer.collect(0, seed=3)
     trainer.train_on(ro, 0)
-    size = trainer.train_step._cache_size()
+    step = trainer.run.programs.train_step
+    size = step._cache_size()
     trainer.train_on(trainer.collect(100, seed=4), 1)
-    assert trainer.train_step._cache_size() == size  # same bucket: no recompile
+    assert step._cache_size() == size  # same bucket: no recompile
     trainer.checkpointer.close()
 
 
@@ -205,7 +213,7 @@ def test_ppo_trains_a_critic_alongside(tmp_path):
     # The toy turns KL off; put PPO's KL-in-reward back to exercise the reference.
     config = toy_config("ppo", **{"kl.placement": "reward", "kl.beta": 0.05})
     assert config.advantage.estimator == "gae" and config.kl.placement == "reward"
-    trainer = loop.Trainer(config, tmp_path)
+    trainer = loop.Trainer.create(config, tmp_path)
     critic0 = jax.tree.map(np.asarray, trainer.state.critic_params)
     ro = trainer.collect(0, seed=0)
     m = trainer.train_on(ro, 0)
@@ -215,8 +223,9 @@ def test_ppo_trains_a_critic_alongside(tmp_path):
                                          critic0, critic1))
     assert max(moved) > 0  # the critic was updated
     # Values sit on the token grid: V[:, 0] is the empty prefix's 0.
-    tokens = jnp.asarray(ro.arrays.tokens)
-    v = trainer.value_fn(trainer.state.critic_params, tokens, jnp.asarray(ro.arrays.positions))
+    tokens = jnp.asarray(ro.tokens_BxT)
+    v = trainer.run.programs.value_fn(trainer.state.critic_params, tokens,
+                                      jnp.asarray(ro.positions_BxT))
     np.testing.assert_array_equal(np.asarray(v)[:, 0], 0.0)
     trainer.checkpointer.close()
 
@@ -224,8 +233,8 @@ def test_ppo_trains_a_critic_alongside(tmp_path):
 def test_mixed_sources_feed_each_component(tmp_path):
     """grpo + rloo + sft + opd sources in one batch; the loss reads only streams."""
     teacher_cfg = toy_config(seed=1)
-    teacher = loop.Trainer(teacher_cfg, tmp_path / "teacher")
-    teacher._save(0, wait=True)  # a different init serves as the teacher
+    teacher = loop.Trainer.create(teacher_cfg, tmp_path / "teacher")
+    teacher.save(0, wait=True)  # a different init serves as the teacher
     teacher.checkpointer.close()
 
     c = toy_config(**{"rollout.prompts_per_step": 8})
@@ -240,32 +249,35 @@ def test_mixed_sources_feed_each_component(tmp_path):
                                           args=dict(c.task.args),
                                           teacher=str(tmp_path / "teacher"))
     config_lib.validate(c)
-    trainer = loop.Trainer(c, tmp_path / "student")
-    assert [s.name for s in trainer.sources] == ["copy", "opd", "rev", "sft"]
+    trainer = loop.Trainer.create(c, tmp_path / "student")
+    run = trainer.run
+    assert [s.name for s in run.sources] == ["copy", "opd", "rev", "sft"]
     ro = trainer.collect(trainer.data_pos, seed=0)
     n = c.group_size
     # Two groups of each source, in source order.
-    np.testing.assert_array_equal(ro.source, np.repeat([0, 0, 1, 1, 2, 2, 3, 3], n))
-    np.testing.assert_array_equal(ro.kind, np.repeat([0, 0, 2, 2, 0, 0, 1, 1], n))
+    np.testing.assert_array_equal(ro.source_B, np.repeat([0, 0, 1, 1, 2, 2, 3, 3], n))
+    components = [run.sources[i].spec.component for i in ro.source_B[::n]]
+    assert components == ["rl", "rl", "ref_kl", "ref_kl", "rl", "rl", "ce", "ce"]
     # sft rows carry the reference answer + EOS as their completion.
     sft_row = 6 * n
     answer = ro.texts[sft_row]
-    ids = ro.arrays.tokens[sft_row][ro.arrays.loss_mask[sft_row] > 0]
-    assert trainer.tokenizer.decode(ids.tolist()) == answer
-    streams, _ = trainer._streams(ro, 0)
+    ids = ro.tokens_BxT[sft_row][ro.loss_mask_BxT[sft_row] > 0]
+    assert run.tokenizer.decode(ids.tolist()) == answer
+    streams = objective.token_streams(run.objective, ro, run.logprobs(trainer.state, ro),
+                                      version=trainer.version)
     # rloo rows: leave-one-out advantages of their own rewards, unscaled.
-    r = ro.rewards[4 * n:5 * n]
+    r = ro.rewards_B[4 * n:5 * n]
     loo = r - (r.sum() - r) / (n - 1)
     rows = np.arange(4 * n, 5 * n)
-    m = np.asarray(streams["rl_mask"])[rows]
-    got = np.asarray(streams["adv"])[rows]
+    m = np.asarray(streams.rl_mask_BxT)[rows]
+    got = np.asarray(streams.advantages_BxT)[rows]
     for i in range(n):
         if m[i].any() and np.ptp(r) > 0:
             np.testing.assert_allclose(got[i][m[i] > 0], loo[i], rtol=1e-5, atol=1e-6)
     # Component masks are disjoint: rl on 0/2, ref_kl on opd, ce on sft.
-    assert np.all(np.asarray(streams["rl_mask"])[2 * n:4 * n] == 0)
-    assert np.all(np.asarray(streams["ref_kl_w"])[:2 * n] == 0)
-    assert np.asarray(streams["ce_w"])[6 * n:].sum() > 0
+    assert np.all(np.asarray(streams.rl_mask_BxT)[2 * n:4 * n] == 0)
+    assert np.all(np.asarray(streams.ref_kl_weights_BxT)[:2 * n] == 0)
+    assert np.asarray(streams.ce_weights_BxT)[6 * n:].sum() > 0
     met = trainer.train_on(ro, 0)
     assert met["skipped"] == 0
     assert met["loss_ce"] > 0            # -mean logp of the targets
@@ -282,19 +294,19 @@ def multiturn_config(recipe="grpo", **overrides):
 
 def test_multiturn_rows_keep_sampled_logprobs_and_mask_env_tokens(tmp_path):
     config = multiturn_config(**{"env.echo_weight": 0.1})
-    trainer = loop.Trainer(config, tmp_path)
+    trainer = loop.Trainer.create(config, tmp_path)
+    run = trainer.run
     ro = trainer.collect(trainer.data_pos, seed=0)
-    a = ro.arrays
     assert ro.stats["prefix_breaks"] == 0 and ro.stats["overflow_rows"] == 0
     assert ro.stats["turns_per_episode"] == 2.0
-    assert a.tokens.shape[0] == config.rollout.prompts_per_step * config.group_size
-    eos = trainer.tokenizer.eos_token_id
-    for i in range(a.tokens.shape[0]):
-        ids = a.tokens[i]
-        sampled = a.loss_mask[i] > 0
-        env = a.env_mask[i] > 0
+    assert ro.shape[0] == config.rollout.prompts_per_step * config.group_size
+    eos = run.tokenizer.eos_token_id
+    for i in range(ro.shape[0]):
+        ids = ro.tokens_BxT[i]
+        sampled = ro.loss_mask_BxT[i] > 0
+        env = ro.env_mask_BxT[i] > 0
         # prompt | answer 1 (+EOS) | repeated prompt (env) | answer 2
-        prompt = trainer.render(trainer.task.train_example(i // config.group_size))
+        prompt = collect.render(run, run.task.train_example(i // config.group_size), run.task)
         np.testing.assert_array_equal(ids[:len(prompt)], prompt)
         assert env.any()  # every episode has two turns, so env tokens between them
         start = int(np.nonzero(env)[0][0])
@@ -305,10 +317,10 @@ def test_multiturn_rows_keep_sampled_logprobs_and_mask_env_tokens(tmp_path):
         want = list(prompt) if answer1[-1] == eos else [eos] + list(prompt)
         np.testing.assert_array_equal(ids[env], want)
     # The trainer's log-probs of sampled tokens, in context, are what the sampler recorded.
-    logp, _ = trainer.logprob_fn(trainer.state.params, jnp.asarray(a.tokens),
-                                 jnp.asarray(a.positions))
-    m = a.loss_mask > 0
-    np.testing.assert_allclose(np.asarray(logp)[m], a.behavior_logp[m], atol=1e-4)
+    logp, _ = run.programs.logprob_fn(trainer.state.params, jnp.asarray(ro.tokens_BxT),
+                                      jnp.asarray(ro.positions_BxT))
+    m = ro.loss_mask_BxT > 0
+    np.testing.assert_allclose(np.asarray(logp)[m], ro.behavior_logp_BxT[m], atol=1e-4)
     met = trainer.train_on(ro, 0)
     assert met["skipped"] == 0 and met["loss_ce"] > 0  # echo on env tokens
     trainer.checkpointer.close()
@@ -329,7 +341,7 @@ def test_remote_sampler_is_built_with_a_sync_dir(tmp_path):
     """sampler.kind=remote: weights travel through <workdir>/sampler_sync by default."""
     from rljax import sampling
     config = toy_config(**{"sampler.kind": "remote", "sampler.url": "http://127.0.0.1:9"})
-    s = loop.build_sampler(config, None, sync_dir=str(tmp_path / "sync"))
+    s = build.build_sampler(config, None, sync_dir=str(tmp_path / "sync"))
     assert isinstance(s, sampling.RemoteSampler)
     assert str(s.sync_dir) == str(tmp_path / "sync")
     with pytest.raises(ValueError, match="sampler.url"):

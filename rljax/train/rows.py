@@ -1,7 +1,7 @@
-"""From sampled completions to padded `[B, T]` arrays (host side, numpy).
+"""From sampled completions to a padded `Rollout` (host side, numpy).
 
 Row layout, right-padded to a length bucket:
-  tokens   = prompt + completion, then pad
+  tokens   = prompt + completion (+ environment tokens + later turns), then pad
   loss_mask: 1 on completion tokens
   behavior_logp[t]: the sampler's log-prob of tokens[t] (completion tokens)
 The trainer's `sequence_logprobs` puts `log p(tokens[t] | tokens[:t])` at t,
@@ -12,6 +12,8 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+
+from rljax.batch import Rollout
 
 
 def bucket_length(n: int, bucket: int) -> int:
@@ -24,7 +26,7 @@ class Row:
     """One training row before padding: the tokens and what each one is.
 
     tokens: prompt, sampled turns and environment tokens, in order.
-    sampled: 1 on tokens the policy sampled (they train with `rl`).
+    sampled: 1 on the row's completion tokens (sampled, or a reference answer).
     logp: the sampler's log-prob of each sampled token (0 elsewhere).
     env: 1 on environment tokens after the first reply (echo's `ce` targets).
     rewards: per-token rewards (a turn's reward on its last sampled token).
@@ -54,31 +56,22 @@ class Row:
                    env=[0] * (p + n), rewards=[0.0] * (p + n),
                    truncated=c.finish_reason == "length", version=c.version, routing=routing)
 
-
-@dataclasses.dataclass
-class RolloutArrays:
-    tokens: np.ndarray          # int32 [B, T]
-    positions: np.ndarray       # int32 [B, T]
-    loss_mask: np.ndarray       # float32 [B, T]: sampled tokens
-    behavior_logp: np.ndarray   # float32 [B, T]
-    completion_len: np.ndarray  # int32 [B]: sampled tokens per row
-    truncated: np.ndarray       # bool [B]: hit the limit without a stop token
-    version: np.ndarray         # int32 [B]
-    routing: np.ndarray | None  # int32 [B, T, L, K] (MoE replay) or None
-    env_mask: np.ndarray = None       # float32 [B, T]: env tokens after the first reply
-    token_rewards: np.ndarray = None  # float32 [B, T]: per-turn rewards (multi-turn)
+    @classmethod
+    def filler(cls, pad_id: int, version: int) -> "Row":
+        """A one-token row that trains nothing (pads continuation rows to whole groups)."""
+        return cls(tokens=[pad_id], sampled=[0], logp=[0.0], env=[0], rewards=[0.0],
+                   truncated=False, version=version)
 
 
-def assemble(completions: Sequence, *, bucket: int, pad_id: int,
-             length: int | None = None) -> RolloutArrays:
-    """Pads single-turn completions into arrays (see assemble_rows)."""
-    return assemble_rows([Row.from_completion(c) for c in completions], bucket=bucket,
-                         pad_id=pad_id, length=length)
+def to_rollout(rows: Sequence[Row], *, bucket: int, pad_id: int, multiturn: bool,
+               length: int | None = None, **per_row) -> Rollout:
+    """Pads rows into a Rollout of width `length` (default: the bucketed max).
 
-
-def assemble_rows(rows: Sequence[Row], *, bucket: int, pad_id: int,
-                  length: int | None = None) -> RolloutArrays:
-    """Pads rows into arrays of width `length` (default: bucketed max)."""
+    `per_row` are the Rollout's per-row fields the rows do not carry
+    (rewards_B, source_B, episode_B, active_B, texts, ...). Multi-turn rows
+    keep their environment mask and per-turn rewards; single-turn rows have
+    neither (the outcome reward then sits on the last completion token).
+    """
     lens = [len(r.tokens) for r in rows]
     t = length or bucket_length(max(lens), bucket)
     if max(lens) > t:
@@ -98,25 +91,27 @@ def assemble_rows(rows: Sequence[Row], *, bucket: int, pad_id: int,
         rew[i, :n] = r.rewards
         if routing is not None:
             routing[i, :n] = r.routing
-    return RolloutArrays(
-        tokens=tokens,
-        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
-        loss_mask=mask,
-        behavior_logp=blogp,
-        completion_len=mask.sum(axis=1).astype(np.int32),
-        truncated=np.array([r.truncated for r in rows]),
-        version=np.array([r.version for r in rows], np.int32),
-        routing=routing,
-        env_mask=env,
-        token_rewards=rew,
-    )
+    has_completion = mask.any(axis=1)
+    return Rollout(
+        tokens_BxT=tokens,
+        positions_BxT=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)).copy(),
+        loss_mask_BxT=mask, behavior_logp_BxT=blogp,
+        truncated_B=np.array([r.truncated for r in rows]),
+        version_B=np.array([r.version for r in rows], np.int32),
+        prompt_len_B=np.where(has_completion, np.argmax(mask > 0, axis=1),
+                              np.asarray(lens)).astype(np.int32),
+        routing_BxTxLxK=routing,
+        env_mask_BxT=env if multiturn else None,
+        token_rewards_BxT=rew if multiturn else None,
+        **per_row)
 
 
-def bad_rows(arrays: RolloutArrays, vocab_size: int) -> np.ndarray:
+def bad_rows(rollout: Rollout, vocab_size: int) -> np.ndarray:
     """bool [B]: rows with a non-finite behavior log-prob or an id outside [0, V)."""
-    m = arrays.loss_mask > 0
-    lp = arrays.behavior_logp
+    m = rollout.loss_mask_BxT > 0
+    lp = rollout.behavior_logp_BxT
     # A log-prob is finite and <= 0; anything else is not a distribution.
     nonfinite = np.any(m & ~(np.isfinite(lp) & (lp <= 1e-4)), axis=1)
-    out_of_vocab = np.any((arrays.tokens < 0) | (arrays.tokens >= vocab_size), axis=1)
+    tokens = rollout.tokens_BxT
+    out_of_vocab = np.any((tokens < 0) | (tokens >= vocab_size), axis=1)
     return nonfinite | out_of_vocab
