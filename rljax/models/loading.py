@@ -266,6 +266,17 @@ def _reshape(path, w, shape, source_shape):
     return w.reshape(shape)
 
 
+def _pieces(path: Path, config: ModelConfig) -> list[Path]:
+    """The per-tensor paths of `_source_names` that one parameter of the stacked model is built from.
+
+    A parameter under `layers` stacks one slice per layer; a parameter with an
+    `experts` axis (MoE) stacks one tensor per expert within each layer.
+    """
+    if path[0] != "layers":
+        return [path]
+    return [("layers", i) + path[1:] for i in range(config.n_layers)]
+
+
 def _assemble(config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray]], fmt: str,
               source: str, ignore: Callable[[str], bool] = lambda name: False) -> Decoder:
     """Build a Decoder whose every parameter is filled from `tensors` (name -> loader)."""
@@ -277,15 +288,16 @@ def _assemble(config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray
 
     expected: dict[Path, jax.ShapeDtypeStruct] = {
         tuple(k.key for k in path): leaf for path, leaf in flat}
-    # Stacked experts come from E separate tensors: group them.
-    wanted: dict[Path, list[str]] = {}
+    # Per parameter: its slices (one per layer, or the whole tensor), each from
+    # one tensor or, for stacked experts, from E separate tensors.
+    wanted: dict[Path, list[tuple[Path, list[str]]]] = {}
     for path in expected:
-        if path in names:
-            wanted[path] = [names[path]]
-        else:
-            wanted[path] = [names[path + (e,)] for e in range(config.n_experts)]
-    missing = [n for ns in wanted.values() for n in ns if n not in tensors]
-    used = {n for ns in wanted.values() for n in ns}
+        wanted[path] = [(piece, [names[piece]] if piece in names else
+                         [names[piece + (e,)] for e in range(config.n_experts)])
+                        for piece in _pieces(path, config)]
+    every = [n for pieces in wanted.values() for _, ns in pieces for n in ns]
+    missing = [n for n in every if n not in tensors]
+    used = set(every)
     extra = sorted(n for n in tensors if n not in used and not ignore(n))
     if missing or extra:
         parts = []
@@ -297,19 +309,24 @@ def _assemble(config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray
 
     values: dict[Path, jax.Array] = {}
     for path, spec in expected.items():
-        raw = [tensors[name]() for name in wanted[path]]
-        try:
-            if path in names:
-                array = _to_ours(path, raw[0], config)
-            else:
-                array = np.stack([_to_ours(path + (e,), w, config) for e, w in enumerate(raw)])
-        except ValueError:
-            array = None
-        if array is None or tuple(array.shape) != tuple(spec.shape):
-            raise ValueError(
-                f"tensor {', '.join(wanted[path])} has shape {tuple(raw[0].shape)}, which does not fit parameter "
-                f"{'.'.join(map(str, path))} of shape {tuple(spec.shape)} (checkpoint {source})")
-        values[path] = jnp.asarray(array, dtype=spec.dtype)
+        stacked = path[0] == "layers"
+        slice_shape = tuple(spec.shape[1:] if stacked else spec.shape)
+        slices = []
+        for piece, piece_names in wanted[path]:
+            raw = [tensors[name]() for name in piece_names]
+            try:
+                if piece in names:
+                    array = _to_ours(piece, raw[0], config)
+                else:
+                    array = np.stack([_to_ours(piece + (e,), w, config) for e, w in enumerate(raw)])
+            except ValueError:
+                array = None
+            if array is None or tuple(array.shape) != slice_shape:
+                raise ValueError(
+                    f"tensor {', '.join(piece_names)} has shape {tuple(raw[0].shape)}, which does not fit parameter "
+                    f"{'.'.join(map(str, piece))} of shape {slice_shape} (checkpoint {source})")
+            slices.append(array)
+        values[path] = jnp.asarray(np.stack(slices) if stacked else slices[0], dtype=spec.dtype)
 
     def fill(path, _):
         return values[tuple(k.key for k in path)]
@@ -567,10 +584,12 @@ def _resolve(source: str | os.PathLike) -> pathlib.Path:
 
 
 def load_model(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: str = "float32",
+               compute_dtype: str = "float32", remat: str = "none", attention: str = "auto",
                **config_overrides) -> Decoder:
     """Only the weights of `source` (see load_pretrained)."""
     path = _resolve(source)
-    overrides = dict(param_dtype=param_dtype, **config_overrides)
+    overrides = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat, attention=attention,
+                     **config_overrides)
     if path.is_dir():
         return _load_hf(path, **overrides)
     return _load_gguf(path, **overrides)[0]
@@ -585,6 +604,7 @@ def load_tokenizer(source: str | os.PathLike = DEFAULT_SOURCE) -> Tokenizer:
 
 
 def load_pretrained(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: str = "float32",
+                    compute_dtype: str = "float32", remat: str = "none", attention: str = "auto",
                     **config_overrides) -> tuple[Decoder, Tokenizer]:
     """(model, tokenizer) from "smollm2-135m-instruct", a .gguf file or a Hugging Face directory.
 
@@ -592,11 +612,13 @@ def load_pretrained(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: 
       source: see the module docstring.
       param_dtype: storage dtype of the parameters ("float32" or "bfloat16");
         checkpoints are dequantised / read in float32 and cast.
-      **config_overrides: other ModelConfig fields, e.g. compute_dtype, remat,
-        max_seq_len.
+      compute_dtype, remat, attention: the ModelConfig fields of the same names.
+      **config_overrides: other ModelConfig fields, e.g. max_seq_len,
+        attention_block_q, scan_layers.
     """
     path = _resolve(source)
-    overrides = dict(param_dtype=param_dtype, **config_overrides)
+    overrides = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat, attention=attention,
+                     **config_overrides)
     if path.is_dir():
         return _load_hf(path, **overrides), Tokenizer.from_directory(path)
     return _load_gguf(path, **overrides)
