@@ -84,9 +84,11 @@ def test_right_padding_does_not_change_real_tokens(tiny_config):
     assert np.isfinite(np.asarray(with_pad)).all()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_cache_prefill_then_decode_equals_full_forward(name):
-    config = get_preset(name, qkv_bias=True, qk_norm=True)
+@pytest.mark.parametrize("name,attention", [("tiny", "xla"), ("tiny-moe", "xla"), ("tiny", "blockwise")])
+def test_cache_prefill_then_decode_equals_full_forward(name, attention):
+    # Blockwise with 4-token blocks: the prefill attends over the 16 cache slots block by block.
+    config = get_preset(name, qkv_bias=True, qk_norm=True, attention=attention, attention_block_q=4,
+                        attention_block_kv=4)
     model = Decoder(config, rngs=nnx.Rngs(2))
     fn, state = _pure(model)
     step = jax.jit(fn)  # (the same code runs eagerly in the other tests)
