@@ -136,8 +136,10 @@ def choose(requested: str, *, q_len: int, dtype, head_dim: int, segments: bool =
         if kernel and not problem:
             chosen, reason = kernel, f"auto on {backend}"
         else:
-            chosen = "blockwise" if q_len >= AUTO_BLOCKWISE_MIN_LEN else "xla"
-            reason = f"auto on {backend}, {q_len} queries" + (f"; {kernel} {problem}" if kernel else "")
+            long = q_len >= AUTO_BLOCKWISE_MIN_LEN
+            chosen = "blockwise" if long else "xla"
+            reason = (f"auto on {backend}, {'>=' if long else '<'} {AUTO_BLOCKWISE_MIN_LEN} queries"
+                      + (f"; {kernel} {problem}" if kernel else ""))
     _log_once(chosen, reason)
     return chosen
 

@@ -207,9 +207,10 @@ def test_each_distinct_choice_is_logged_once(caplog):
         for _ in range(3):
             attention_lib.choose("auto", q_len=2048, dtype=jnp.float32, head_dim=64, backend="cpu")
         attention_lib.choose("auto", q_len=16, dtype=jnp.float32, head_dim=64, backend="cpu")
+        attention_lib.choose("auto", q_len=32, dtype=jnp.float32, head_dim=64, backend="cpu")  # same choice
     messages = [r.getMessage() for r in caplog.records if r.name == "rljax.models"]
-    assert messages == ["attention implementation: blockwise (auto on cpu, 2048 queries)",
-                        "attention implementation: xla (auto on cpu, 16 queries)"]
+    assert messages == ["attention implementation: blockwise (auto on cpu, >= 1024 queries)",
+                        "attention implementation: xla (auto on cpu, < 1024 queries)"]
 
 
 # ----------------------------------------------------------------------------
