@@ -8,9 +8,9 @@ may be -1: the devices left over):
     tensor   heads, MLP hidden units and the vocabulary split (Megatron)
     expert   MoE experts split
 
-Parameters carry logical axis names (`vocab`, `embed`, `heads`, ...; see
-rljax.models.transformer); activations use `batch`, `length`, `kv_heads`,
-`head_dim`. Rules kept in the config map each logical name to mesh axes
+Parameters carry logical axis names (`layers`, `vocab`, `embed`, `heads`,
+...; see rljax.models.transformer); activations use `batch`, `length`,
+`kv_heads`, `head_dim`. Rules kept in the config map each logical name to mesh axes
 (MaxText's `logical_axis_rules`). A dimension is split only over the mesh
 axes that exist, are larger than one, are not already used by another
 dimension of the same array and divide it; otherwise it is replicated. So
@@ -42,9 +42,12 @@ SAMPLER_AXES = ("data", "tensor")
 
 # Logical name -> mesh axes. Parameters: FSDP shards the model width, tensor
 # parallelism the heads / MLP / vocabulary, expert parallelism the experts.
-# Activations: rows over both data axes (FSDP is data parallel too), KV-cache
-# heads over tensor like the k/v projections that write them.
+# The stacked layer axis (the scan over blocks) stays whole: each scan step
+# slices one layer. Activations: rows over both data axes (FSDP is data
+# parallel too), KV-cache heads over tensor like the k/v projections that
+# write them.
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("layers", ()),
     ("vocab", ("tensor",)),
     ("embed", ("fsdp",)),
     ("heads", ("tensor",)),
@@ -66,12 +69,15 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 def rules_from_config(config) -> Rules:
     """`config.logical_axis_rules` (name -> "axis,axis" strings) as a hashable tuple.
 
-    A config without the section gets DEFAULT_RULES.
+    A config without the section gets DEFAULT_RULES; a section written before a
+    logical name existed (e.g. `layers`, from a saved run) gets that name's default.
     """
     section = config.get("logical_axis_rules") if hasattr(config, "get") else None
     if section is None:
         return DEFAULT_RULES
-    return parse_rules(dict(section))
+    rules = parse_rules(dict(section))
+    named = {name for name, _ in rules}
+    return rules + tuple(rule for rule in DEFAULT_RULES if rule[0] not in named)
 
 
 def parse_rules(rules: Mapping[str, str | Sequence[str] | None] | Rules) -> Rules:

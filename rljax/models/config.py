@@ -13,7 +13,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from rljax.models import attention as attention_lib
+
 REMAT_POLICIES = ("none", "full", "dots_saveable")
+ATTENTION_IMPLEMENTATIONS = attention_lib.IMPLEMENTATIONS
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -51,9 +54,18 @@ class ModelConfig:
         param_dtype: storage dtype of parameters ("float32" or "bfloat16").
         compute_dtype: activation / matmul dtype ("bfloat16" on accelerators).
             Norms, softmaxes and the final log-softmax always run in float32.
-        remat: rematerialisation of each decoder block: "none", "full" (save only
-            the block's input) or "dots_saveable" (save matmul outputs).
+        remat: rematerialisation of each decoder block, applied to the body of
+            the scan over layers: "none", "full" (save only each block's
+            input) or "dots_saveable" (save matmul outputs).
         max_seq_len: longest position the model is meant to see (KV cache size).
+        attention: "auto", "xla", "blockwise", "cudnn" or "splash"; see
+            rljax.models.attention (auto: splash on TPU, cuDNN on NVIDIA GPUs,
+            blockwise for long sequences elsewhere, xla for short ones).
+        attention_block_q, attention_block_kv: query / key tile sizes of the
+            blockwise and splash kernels.
+        scan_layers: run the blocks under one `lax.scan` over the stacked layer
+            axis (compiles once per model, and remat takes effect); False
+            unrolls a Python loop over the same stacked parameters.
     """
 
     vocab_size: int
@@ -76,6 +88,10 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat: str = "none"
     max_seq_len: int = 2048
+    attention: str = "auto"
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
+    scan_layers: bool = True
 
     def __post_init__(self):
         # Normalise so that equal configs hash equally (jit static argument).
@@ -83,7 +99,8 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
+                     "attention_block_q", "attention_block_kv"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
@@ -91,6 +108,8 @@ class ModelConfig:
                     f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; valid: {REMAT_POLICIES}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"ModelConfig.attention={self.attention!r}; valid: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.n_experts < 0 or (self.n_experts and not 0 < self.experts_per_token <= self.n_experts):
             raise ValueError(
                     f"ModelConfig.experts_per_token={self.experts_per_token} must be in [1, n_experts={self.n_experts}]")

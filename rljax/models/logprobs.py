@@ -100,6 +100,7 @@ def sequence_logprobs(
     positions_BxT: jax.Array | None = None,
     *,
     attn_mask_BxT: jax.Array | None = None,
+    segment_ids_BxT: jax.Array | None = None,
     routing_BxTxLxK: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -114,17 +115,21 @@ def sequence_logprobs(
     aligned the same way: `entropy[b, t]` is the entropy of the distribution
     that `tokens[b, t]` was drawn from, 0 at t = 0.
 
+    With packed rows (`segment_ids_BxT`), the first token of each later segment
+    is scored from the last token of the segment before it: a meaningless
+    number that the loss mask must exclude (it is a prompt token anyway).
+
     Args:
       model: a `Decoder` (anything with the same call and `unembed_weight()`).
-      tokens_BxT, positions_BxT, attn_mask_BxT, routing_BxTxLxK: as `Decoder.__call__`.
+      tokens_BxT, positions_BxT, attn_mask_BxT, segment_ids_BxT, routing_BxTxLxK: as `Decoder.__call__`.
       temperature, chunk_size, return_entropy: as `token_logprobs`.
 
     Returns:
       logp_BxT float32, or (logp_BxT, entropy_BxT) when return_entropy.
     """
     chex.assert_rank(tokens_BxT, 2)
-    out = model(tokens_BxT, positions_BxT, attn_mask_BxT=attn_mask_BxT, routing_BxTxLxK=routing_BxTxLxK,
-                return_hidden=True)
+    out = model(tokens_BxT, positions_BxT, attn_mask_BxT=attn_mask_BxT, segment_ids_BxT=segment_ids_BxT,
+                routing_BxTxLxK=routing_BxTxLxK, return_hidden=True)
     result = token_logprobs(out.hidden[:, :-1], model.unembed_weight(), tokens_BxT[:, 1:],
                             temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
     first = jnp.zeros((tokens_BxT.shape[0], 1), jnp.float32)

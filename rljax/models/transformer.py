@@ -6,21 +6,26 @@ embeddings, Qwen2 q/k/v biases and Qwen3 q/k norms. The layout of the weights
 follows Hugging Face's rotate-half RoPE convention, so checkpoints load without
 permutation (GGUF's llama permutation is undone in `loading.py`).
 
-Every parameter carries logical axis names (`vocab`, `embed`, `heads`,
-`kv_heads`, `head_dim`, `mlp`, `experts`) for the mesh rules in
-`rljax.parallel`; nothing here depends on a mesh.
+The blocks are one `Block` whose parameters are stacked on a leading layer
+axis; the decoder runs them under one `jax.lax.scan` (one block compiled, not
+L), with the remat policy on the scanned body. Every parameter carries logical
+axis names (`layers`, `vocab`, `embed`, `heads`, `kv_heads`, `head_dim`,
+`mlp`, `experts`) for the mesh rules in `rljax.parallel`; nothing here depends
+on a mesh.
 
-Batches are right-padded `[B, T]` token arrays with explicit positions and a
-mask. Attention is causal over positions (a key is visible to a query when its
-position is not larger), so default positions `arange(T)` give ordinary causal
-attention. With a `KVCache`, tokens are written at their positions and attend
-to every valid cached slot up to their own position.
+Batches are `[B, T]` token arrays with RoPE positions, a mask of real tokens
+and optional segment ids. Query i sees key j iff j <= i (row order), key j is
+a real token, and, with segment ids, both are in the same segment (several
+sequences packed in a row, positions restarting per segment); see
+`rljax.models.attention` for the implementations. With a `KVCache`, tokens are
+written at their positions and attend to every valid cached slot up to their
+own position.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -28,17 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from rljax.models import attention as attention_lib
 from rljax.models.config import ModelConfig
 
-# A finite "minus infinity": a fully masked row then softmaxes to uniform
-# instead of NaN (padding rows), and its gradient stays finite.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+LAYERS_AXIS = "layers"
 
 
-def _param(rngs: nnx.Rngs | None, init, shape, axes, dtype) -> nnx.Param:
+def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
     """A parameter with logical axis names; never placed on a mesh here."""
-    value = init(rngs.params() if rngs is not None else jax.random.key(0), shape, dtype)
-    return nnx.Param(value, sharding_names=tuple(axes), eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=tuple(axes), eager_sharding=False)
 
 
 _normal = nnx.initializers.normal(0.02)
@@ -127,29 +130,27 @@ def apply_rope(x_BxTxHxDh: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Arr
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values, [B, max_len, n_kv_heads, head_dim] each.
+    """Keys and values of every layer, [L, B, max_len, n_kv_heads, head_dim] each.
 
     Slot `s` of row `b` holds the token at position `s`. `lengths_B` is one past
     the largest position written so far per row; slots at or beyond it are
     invisible to attention.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
     lengths_B: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache for `batch` rows of up to `max_len` positions."""
     dtype = config.compute_jnp_dtype if dtype is None else dtype
-    shape = (batch, max_len, config.n_kv_heads, config.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
-    return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
-                                  lengths_B=jnp.zeros((batch,), jnp.int32))
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths_B=jnp.zeros((batch,), jnp.int32))
 
 
 # ----------------------------------------------------------------------------
@@ -159,7 +160,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVC
 class RMSNorm(nnx.Module):
     """x / rms(x) * w, computed in float32 and cast back (as Llama / Qwen do)."""
 
-    def __init__(self, dim: int, eps: float, axis_name: str, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, dim: int, eps: float, axis_name: str, dtype, rngs: nnx.Rngs):
         self.eps = eps
         self.weight = _param(rngs, _ones, (dim,), (axis_name,), dtype)
 
@@ -170,10 +171,30 @@ class RMSNorm(nnx.Module):
         return (w * normed.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
+class _Context(NamedTuple):
+    """What every layer's attention shares: masks, positions and the chosen implementation."""
+
+    positions_BxT: jax.Array
+    attn_mask_BxT: jax.Array
+    segment_ids_BxT: jax.Array | None
+    lengths_B: jax.Array | None  # with a cache: valid slots after this call's writes
+    implementation: str          # the request handed to attention_lib.attention
+    block_q: int
+    block_kv: int
+
+
+class _LayerCache(NamedTuple):
+    """The whole stacked cache and the index of the layer being run (written in place)."""
+
+    k_LxBxSxKxD: jax.Array
+    v_LxBxSxKxD: jax.Array
+    layer: jax.Array
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with optional q/k/v biases and q/k norms."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
         pdt = c.param_jnp_dtype
         self.config = c
@@ -196,7 +217,7 @@ class Attention(nnx.Module):
             y = y + getattr(self, bias_name)[...].astype(cdt)[None, None]
         return y
 
-    def __call__(self, x_BxTxD, cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B):
+    def __call__(self, x_BxTxD, cos, sin, ctx: _Context, cache: _LayerCache | None):
         c = self.config
         cdt = c.compute_jnp_dtype
         q = self._project(x_BxTxD, self.q, "q_bias")
@@ -205,43 +226,36 @@ class Attention(nnx.Module):
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        blocks = dict(implementation=ctx.implementation, block_q=ctx.block_q, block_kv=ctx.block_kv,
+                      field="ModelConfig.attention")
 
-        B, T = positions_BxT.shape
-        if cache_kv is None:
-            keys, values = k, v
-            key_pos_BxS = positions_BxT
-            key_ok_BxS = attn_mask_BxT
-            new_kv = None
+        if cache is None:
+            out = attention_lib.attention(q, k, v, q_segment_ids_BxT=ctx.segment_ids_BxT,
+                                          kv_segment_ids_BxS=ctx.segment_ids_BxT, kv_valid_BxS=ctx.attn_mask_BxT,
+                                          **blocks)
+            new_cache = None
         else:
-            k_cache, v_cache = cache_kv
-            S = k_cache.shape[1]
+            k_all, v_all, layer = cache
+            B, T = ctx.positions_BxT.shape
+            S = k_all.shape[2]
             # Padding tokens are not written (index S is dropped), so a pad whose
             # position collides with a real token cannot overwrite it.
-            write_BxT = jnp.where(attn_mask_BxT, positions_BxT, S)
+            write_BxT = jnp.where(ctx.attn_mask_BxT, ctx.positions_BxT, S)
             rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-            keys = k_cache.at[rows_BxT, write_BxT].set(k.astype(k_cache.dtype), mode="drop")
-            values = v_cache.at[rows_BxT, write_BxT].set(v.astype(v_cache.dtype), mode="drop")
-            new_kv = (keys, values)
-            keys, values = keys.astype(cdt), values.astype(cdt)
-            key_pos_BxS = jnp.broadcast_to(jnp.arange(S)[None, :], (B, S))
-            key_ok_BxS = key_pos_BxS < lengths_B[:, None]
-
-        # [B, T, KV, G, Dh]: each kv head serves G = H / KV query heads.
-        groups = c.n_heads // c.n_kv_heads
-        q = q.reshape(B, T, c.n_kv_heads, groups, c.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-        scores = scores / np.float32(math.sqrt(c.head_dim))
-        visible_BxTxS = (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]) & key_ok_BxS[:, None, :]
-        scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cdt)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, c.n_heads, c.head_dim)
-        return jnp.einsum("bthd,hde->bte", out, self.o[...].astype(cdt)), new_kv
+            k_all = k_all.at[layer, rows_BxT, write_BxT].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[layer, rows_BxT, write_BxT].set(v.astype(v_all.dtype), mode="drop")
+            slots_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+            out = attention_lib.attention(q, k_all[layer].astype(cdt), v_all[layer].astype(cdt),
+                                          kv_valid_BxS=slots_BxS < ctx.lengths_B[:, None],
+                                          q_positions_BxT=ctx.positions_BxT, kv_positions_BxS=slots_BxS, **blocks)
+            new_cache = _LayerCache(k_all, v_all, layer)
+        return jnp.einsum("bthd,hde->bte", out, self.o[...].astype(cdt)), new_cache
 
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, pdt = config, config.param_jnp_dtype
         self.config = c
         self.gate = _param(rngs, _normal, (c.d_model, c.mlp_dim), ("embed", "mlp"), pdt)
@@ -267,7 +281,7 @@ class MoE(nnx.Module):
     probabilities of the replayed experts, renormalised, so the router trains.
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, pdt = config, config.param_jnp_dtype
         E, F = c.n_experts, c.expert_mlp_dim
         self.config = c
@@ -309,25 +323,39 @@ class MoE(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         pdt = config.param_jnp_dtype
         self.attn_norm = RMSNorm(config.d_model, config.rms_eps, "embed", pdt, rngs)
         self.attn = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.rms_eps, "embed", pdt, rngs)
         self.mlp = MoE(config, rngs) if config.is_moe else MLP(config, rngs)
 
-    def __call__(self, x, cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B, replay_BxTxK):
-        h, new_kv = self.attn(self.attn_norm(x), cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B)
+    def __call__(self, x, cos, sin, ctx: _Context, cache: _LayerCache | None, replay_BxTxK):
+        h, cache = self.attn(self.attn_norm(x), cos, sin, ctx, cache)
         x = x + h
         if isinstance(self.mlp, MoE):
             h, experts_BxTxK = self.mlp(self.mlp_norm(x), replay_BxTxK)
         else:
             h, experts_BxTxK = self.mlp(self.mlp_norm(x)), None
-        return x + h, new_kv, experts_BxTxK
+        return x + h, cache, experts_BxTxK
 
 
-def _block_call(block, *args):
-    return block(*args)
+def _stacked_blocks(config: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """One Block whose every parameter has a leading [n_layers] axis named "layers" (own init per layer)."""
+
+    @nnx.split_rngs(splits=config.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.n_layers,
+              transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+    def make(rngs):
+        return Block(config, rngs)
+
+    return make(rngs)
+
+
+def _layer_state(stacked_state, index) -> Any:
+    """Layer `index` of a stacked Block's state, with the "layers" axis dropped from the metadata too."""
+    one = jax.tree.map(lambda x: x[index], stacked_state)
+    return nnx.spmd.remove_axis(one, 0, {nnx.PARTITION_NAME: LAYERS_AXIS})
 
 
 def _remat_policy(name: str):
@@ -350,13 +378,14 @@ class DecoderOutput(NamedTuple):
 
 
 class Decoder(nnx.Module):
-    """Decoder-only transformer. `Decoder(config, rngs=nnx.Rngs(0))`."""
+    """Decoder-only transformer. `Decoder(config, rngs=nnx.Rngs(0))` (rngs None means Rngs(0))."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None):
         self.config = config
+        rngs = nnx.Rngs(0) if rngs is None else rngs
         pdt = config.param_jnp_dtype
         self.embed = _param(rngs, _normal, (config.vocab_size, config.d_model), ("vocab", "embed"), pdt)
-        self.layers = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
+        self.layers = _stacked_blocks(config, rngs)
         self.final_norm = RMSNorm(config.d_model, config.rms_eps, "embed", pdt, rngs)
         if not config.tie_embeddings:
             # Stored [V, D] like the embedding, so unembed_weight() has one layout.
@@ -366,23 +395,34 @@ class Decoder(nnx.Module):
         """The unembedding matrix [V, D]: logits = hidden @ W.T."""
         return self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
 
+    def layer(self, index: int) -> Block:
+        """Block `index` on its own (a copy of its slice of the stacked parameters)."""
+        if not 0 <= index < self.config.n_layers:
+            raise ValueError(f"layer index {index} is outside [0, n_layers={self.config.n_layers})")
+        graphdef, state = nnx.split(self.layers)
+        return nnx.merge(graphdef, _layer_state(state, index))
+
     def __call__(
             self,
             tokens_BxT: jax.Array,
             positions_BxT: jax.Array | None = None,
             *,
             attn_mask_BxT: jax.Array | None = None,
+            segment_ids_BxT: jax.Array | None = None,
             cache: KVCache | None = None,
             routing_BxTxLxK: jax.Array | None = None,
             return_hidden: bool = False,
     ) -> DecoderOutput:
-        """Forward pass over a right-padded batch.
+        """Forward pass over a batch of rows.
 
         Args:
             tokens_BxT: int token ids.
-            positions_BxT: position of each token; default `arange(T)` per row.
+            positions_BxT: RoPE position of each token; default `arange(T)` per row
+                (with packed segments, positions restart at each segment).
             attn_mask_BxT: True on real tokens; padding keys are never attended to
                 and, with a cache, padding tokens are not written.
+            segment_ids_BxT: int id of the packed sequence each token belongs to;
+                a token attends only within its segment. Not with a cache.
             cache: a KVCache to write into and attend over (prefill with T > 1, then
                 decode with T = 1 at positions == cache.lengths_B).
             routing_BxTxLxK: MoE experts to replay instead of the router's choice.
@@ -397,6 +437,10 @@ class Decoder(nnx.Module):
             attn_mask_BxT = jnp.ones((B, T), bool)
         chex.assert_shape([positions_BxT, attn_mask_BxT], (B, T))
         attn_mask_BxT = attn_mask_BxT.astype(bool)
+        if segment_ids_BxT is not None:
+            chex.assert_shape(segment_ids_BxT, (B, T))
+            if cache is not None:
+                raise ValueError("segment_ids_BxT cannot be combined with a cache (packed rows are for training)")
         if routing_BxTxLxK is not None:
             if not c.is_moe:
                 raise ValueError("routing_BxTxLxK was given but the model has no experts (n_experts=0)")
@@ -407,29 +451,50 @@ class Decoder(nnx.Module):
         cos, sin = rope_cos_sin(c, positions_BxT)
 
         lengths_B = None
+        implementation = c.attention
         if cache is not None:
+            chex.assert_shape([cache.k, cache.v], (c.n_layers, B, cache.max_len, c.n_kv_heads, c.head_dim))
             written_B = jnp.max(jnp.where(attn_mask_BxT, positions_BxT + 1, 0), axis=1)
             lengths_B = jnp.maximum(cache.lengths_B, written_B).astype(jnp.int32)
+            # Decoding is the one-query path ([B, H, S] scores). A prefill attends
+            # over cache slots by position, which only xla / blockwise express.
+            implementation = "xla" if T == 1 else ("auto" if implementation in ("cudnn", "splash") else implementation)
+        ctx = _Context(positions_BxT, attn_mask_BxT, segment_ids_BxT, lengths_B, implementation,
+                       c.attention_block_q, c.attention_block_kv)
 
-        call = _block_call
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, k_all, v_all = carry
+            index, params, replay_BxTxK = xs
+            block = nnx.merge(graphdef, nnx.spmd.remove_axis(params, 0, {nnx.PARTITION_NAME: LAYERS_AXIS}))
+            layer_cache = None if k_all is None else _LayerCache(k_all, v_all, index)
+            x, layer_cache, experts_BxTxK = block(x, cos, sin, ctx, layer_cache, replay_BxTxK)
+            if layer_cache is not None:
+                k_all, v_all = layer_cache.k_LxBxSxKxD, layer_cache.v_LxBxSxKxD
+            return (x, k_all, v_all), experts_BxTxK
+
         if c.remat != "none":
-            call = nnx.remat(_block_call, policy=_remat_policy(c.remat), prevent_cse=True)
-
-        new_k, new_v, routing = [], [], []
-        for i, block in enumerate(self.layers):
-            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            replay = None if routing_BxTxLxK is None else routing_BxTxLxK[:, :, i, :]
-            x, kv, experts = call(block, x, cos, sin, positions_BxT, attn_mask_BxT, cache_kv, lengths_B, replay)
-            if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
-            routing.append(experts)
+            # Under scan, XLA keeps the remat (an unrolled loop would CSE it away).
+            body = jax.checkpoint(body, policy=_remat_policy(c.remat), prevent_cse=not c.scan_layers)
+        carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
+        replay_LxBxTxK = None if routing_BxTxLxK is None else jnp.moveaxis(routing_BxTxLxK, 2, 0)
+        xs = (jnp.arange(c.n_layers, dtype=jnp.int32), stacked, replay_LxBxTxK)
+        if c.scan_layers:
+            (x, k_all, v_all), experts_LxBxTxK = jax.lax.scan(body, carry, xs)
+        else:
+            experts = []
+            for index in range(c.n_layers):
+                carry, e = body(carry, jax.tree.map(lambda a: a[index], xs))
+                experts.append(e)
+            (x, k_all, v_all) = carry
+            experts_LxBxTxK = jnp.stack(experts) if c.is_moe else None
 
         hidden_BxTxD = self.final_norm(x)
-        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), lengths_B=lengths_B)
-        routing_BxTxLxK_out = jnp.stack(routing, axis=2) if c.is_moe else None
+        new_cache = None if cache is None else KVCache(k=k_all, v=v_all, lengths_B=lengths_B)
+        routing_out = None if experts_LxBxTxK is None else jnp.moveaxis(experts_LxBxTxK, 0, 2)
         logits = None
         if not return_hidden:
             logits = jnp.einsum("btd,vd->btv", hidden_BxTxD, self.unembed_weight().astype(cdt),
-                                                    preferred_element_type=jnp.float32)
-        return DecoderOutput(logits=logits, hidden=hidden_BxTxD, cache=new_cache, routing=routing_BxTxLxK_out)
+                                preferred_element_type=jnp.float32)
+        return DecoderOutput(logits=logits, hidden=hidden_BxTxD, cache=new_cache, routing=routing_out)

@@ -32,9 +32,10 @@ class ValueModel(nnx.Module):
         trunk = nnx.merge(graphdef, jax.tree_util.tree_map(jnp.copy, state))
         return cls(policy.config, trunk=trunk)
 
-    def __call__(self, tokens_BxT, positions_BxT=None, *, attn_mask_BxT=None, routing_BxTxLxK=None):
+    def __call__(self, tokens_BxT, positions_BxT=None, *, attn_mask_BxT=None, segment_ids_BxT=None,
+                 routing_BxTxLxK=None):
         """Float32 values [B, T]; same arguments as `Decoder.__call__`."""
-        out = self.trunk(tokens_BxT, positions_BxT, attn_mask_BxT=attn_mask_BxT,
+        out = self.trunk(tokens_BxT, positions_BxT, attn_mask_BxT=attn_mask_BxT, segment_ids_BxT=segment_ids_BxT,
                          routing_BxTxLxK=routing_BxTxLxK, return_hidden=True)
         hidden = out.hidden.astype(jnp.float32)
         return jnp.einsum("btd,d->bt", hidden, self.head[...]) + self.head_bias[...]

@@ -287,9 +287,8 @@ def _constrain_cache(cache, mesh, rules):
     def one(x, names):
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(mesh, parallel.logical_to_spec(names, x.shape, mesh, rules)))
-    kv = ("batch", "length", "kv_heads", "head_dim")
-    return type(cache)(k=tuple(one(x, kv) for x in cache.k), v=tuple(one(x, kv) for x in cache.v),
-                       lengths_B=one(cache.lengths_B, ("batch",)))
+    kv = ("layers", "batch", "length", "kv_heads", "head_dim")
+    return type(cache)(k=one(cache.k, kv), v=one(cache.v, kv), lengths_B=one(cache.lengths_B, ("batch",)))
 
 
 def _prefill_sharded(graphdef, state, prompt_BxP, prompt_len_B, cache_len, mesh, rules):

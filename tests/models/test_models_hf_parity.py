@@ -48,7 +48,7 @@ def test_param_dtype_is_applied(make_hf_checkpoint):
     directory, torch_model = make_hf_checkpoint("qwen2")
     model, diff = _compare(directory, torch_model, param_dtype="bfloat16")
     assert model.embed[...].dtype == jnp.bfloat16
-    assert model.layers[0].attn.q_bias[...].dtype == jnp.bfloat16
+    assert model.layers.attn.q_bias[...].dtype == jnp.bfloat16
     assert 1e-5 < diff < 0.1  # rounded weights: close, not equal
 
 

@@ -11,7 +11,7 @@ from rljax.models import config as config_lib
 from rljax.models.config import get_preset
 from rljax.models.transformer import Decoder, init_cache, rope_inv_freq
 
-AXES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts"}
+AXES = {"layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts"}
 
 
 def _pure(model):
@@ -50,6 +50,10 @@ def test_every_param_has_logical_axes():
             axes = var.get_metadata()["out_sharding"]
             assert len(axes) == len(var.get_value().shape), path
             assert set(axes) <= AXES, (path, axes)
+            # Block parameters are stacked on a leading layer axis, and only they are.
+            assert (axes[0] == "layers") == (path[0] == "layers"), (path, axes)
+            if path[0] == "layers":
+                assert var.get_value().shape[0] == config.n_layers and "layers" not in axes[1:], path
         specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
         assert tuple(specs["embed"].get_value()) == ("vocab", "embed")
 
@@ -80,9 +84,11 @@ def test_right_padding_does_not_change_real_tokens(tiny_config):
     assert np.isfinite(np.asarray(with_pad)).all()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_cache_prefill_then_decode_equals_full_forward(name):
-    config = get_preset(name, qkv_bias=True, qk_norm=True)
+@pytest.mark.parametrize("name,attention", [("tiny", "xla"), ("tiny-moe", "xla"), ("tiny", "blockwise")])
+def test_cache_prefill_then_decode_equals_full_forward(name, attention):
+    # Blockwise with 4-token blocks: the prefill attends over the 16 cache slots block by block.
+    config = get_preset(name, qkv_bias=True, qk_norm=True, attention=attention, attention_block_q=4,
+                        attention_block_kv=4)
     model = Decoder(config, rngs=nnx.Rngs(2))
     fn, state = _pure(model)
     step = jax.jit(fn)  # (the same code runs eagerly in the other tests)
@@ -193,7 +199,7 @@ def _dense_moe_reference(moe, x_BxTxD, k):
 def test_moe_matches_dense_reference():
     config = get_preset("tiny-moe")
     model = Decoder(config, rngs=nnx.Rngs(8))
-    moe = model.layers[0].mlp
+    moe = model.layer(0).mlp
     x = jax.random.normal(jax.random.key(9), (2, 7, config.d_model))
     out, experts = nnx.jit(lambda moe, x: moe(x))(moe, x)
     ref, ref_experts = _dense_moe_reference(moe, x, config.experts_per_token)
@@ -216,9 +222,8 @@ def test_moe_routing_replay():
 
     # Change the routers: fresh routing differs, replayed routing does not.
     new_state = jax.tree_util.tree_map(lambda x: x, state)
-    for i in range(config.n_layers):
-        router = new_state["layers"][i]["mlp"]["router"]
-        router.set_value(jax.random.normal(jax.random.key(12 + i), router.get_value().shape))
+    router = new_state["layers"]["mlp"]["router"]  # [L, D, E], stacked over layers
+    router.set_value(jax.random.normal(jax.random.key(12), router.get_value().shape))
     fresh = fn(new_state, tokens)
     assert (np.asarray(fresh.routing) != np.asarray(out.routing)).any()
     again = fn(new_state, tokens, routing_BxTxLxK=out.routing)
@@ -230,7 +235,7 @@ def test_moe_routing_replay():
         return jnp.mean(fn(state, tokens, routing_BxTxLxK=out.routing).logits ** 2)
 
     grads = jax.jit(jax.grad(loss))(new_state)
-    assert float(jnp.abs(grads["layers"][0]["mlp"]["router"].get_value()).max()) > 0
+    assert float(jnp.abs(grads["layers"]["mlp"]["router"].get_value()[0]).max()) > 0
 
     with pytest.raises(ValueError, match="no experts"):
         Decoder(get_preset("tiny"), rngs=nnx.Rngs(0))(tokens, routing_BxTxLxK=out.routing)

@@ -29,7 +29,7 @@ def test_value_model_from_policy_and_scratch(tiny_config):
         return jnp.mean((critic(tokens) - 1.0) ** 2)
 
     grads = nnx.jit(nnx.grad(loss))(critic)
-    assert float(jnp.abs(grads.trunk.layers[0].mlp.up[...]).max()) > 0
+    assert float(jnp.abs(grads.trunk.layers.mlp.up[...][0]).max()) > 0
     before = np.asarray(policy.embed[...]).copy()
     critic.trunk.embed[...] = critic.trunk.embed[...] + 1.0
     np.testing.assert_array_equal(policy.embed[...], before)

@@ -214,7 +214,7 @@ def sampler() -> dict:
     res = sampler_lib._prefill_sharded_jit(sharded.graphdef, sharded.params, sharded._rows(prompt),
                                            sharded._rows(jnp.full((8,), 4, jnp.int32)), cache_len=32,
                                            mesh=mesh, rules=sharded.rules)
-    out["cache_spec"] = str(res[1].k[0].sharding.spec)
+    out["cache_spec"] = str(res[1].k.sharding.spec)
     # eval_shape -> shardings -> jit(init): the same values as an eager init, born sharded.
     make = lambda: transformer.Decoder(cfg, rngs=nnx.Rngs(3))  # noqa: E731
     _, born = parallel.init_sharded(make, trainer_mesh)
