@@ -460,7 +460,7 @@ def _resolve(source: str | os.PathLike) -> pathlib.Path:
 
 
 def load_model(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: str = "float32",
-               compute_dtype: str = "float32", remat: str = "none", attention: str = "auto",
+               compute_dtype: str = "float32", remat: str = "auto", attention: str = "auto",
                **config_overrides) -> Decoder:
     """Only the weights of `source` (see load_pretrained)."""
     path = _resolve(source)
@@ -480,7 +480,7 @@ def load_tokenizer(source: str | os.PathLike = DEFAULT_SOURCE) -> Tokenizer:
 
 
 def load_pretrained(source: str | os.PathLike = DEFAULT_SOURCE, *, param_dtype: str = "float32",
-                    compute_dtype: str = "float32", remat: str = "none", attention: str = "auto",
+                    compute_dtype: str = "float32", remat: str = "auto", attention: str = "auto",
                     **config_overrides) -> tuple[Decoder, Tokenizer]:
     """(model, tokenizer) from "smollm2-135m-instruct", a .gguf file or a Hugging Face directory.
 

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx, struct
 
 from rljax.models import attention as attention_lib
-from rljax.models.config import ModelConfig
+from rljax.models.config import AUTO_REMAT_MIN_TOKENS, ModelConfig
 
 LAYERS_AXIS = "layers"
 
@@ -474,9 +474,12 @@ class Decoder(nnx.Module):
                 k_all, v_all = layer_cache.k_LxBxSxKxD, layer_cache.v_LxBxSxKxD
             return (x, k_all, v_all), experts_BxTxK
 
-        if c.remat != "none":
+        remat = c.remat
+        if remat == "auto":
+            remat = "full" if cache is None and B * T >= AUTO_REMAT_MIN_TOKENS else "none"
+        if remat != "none":
             # Under scan, XLA keeps the remat (an unrolled loop would CSE it away).
-            body = jax.checkpoint(body, policy=_remat_policy(c.remat), prevent_cse=not c.scan_layers)
+            body = jax.checkpoint(body, policy=_remat_policy(remat), prevent_cse=not c.scan_layers)
         carry = (x, None, None) if cache is None else (x, cache.k, cache.v)
         replay_LxBxTxK = None if routing_BxTxLxK is None else jnp.moveaxis(routing_BxTxLxK, 2, 0)
         xs = (jnp.arange(c.n_layers, dtype=jnp.int32), stacked, replay_LxBxTxK)

@@ -210,19 +210,20 @@ def build_policy(config, tasks, mesh=None, rules=parallel.DEFAULT_RULES):
     from rljax.models import loading
     from rljax.models import transformer
     m = config.model
-    dtypes = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+    dtypes = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
+                  attention=m.attention)
+    blocks = dict(attention_block_q=m.attention_block, attention_block_kv=m.attention_block)
     if m.source in model_config.preset_names():
         tok = preset_tokenizer(tasks)
         if tok is None:
             raise ValueError(f"model.source={m.source!r} is a random-init preset; it needs a "
                              f"task with its own tokenizer (toy tasks), not {config.task.name!r}")
-        cfg = model_config.get_preset(m.source, vocab_size=tok.vocab_size, **dtypes)
+        cfg = model_config.get_preset(m.source, vocab_size=tok.vocab_size, **dtypes, **blocks)
         make = lambda: transformer.Decoder(cfg, rngs=nnx.Rngs(config.seed))  # noqa: E731
         if mesh is None:
             return make(), tok
         return nnx.merge(*parallel.init_sharded(make, mesh, rules)), tok
-    return loading.load_pretrained(m.source, param_dtype=m.param_dtype,
-                                   compute_dtype=m.compute_dtype, remat=m.remat)
+    return loading.load_pretrained(m.source, **dtypes, **blocks)
 
 
 def build_sampler(config, model, rules=parallel.DEFAULT_RULES, sync_dir=None):

@@ -30,7 +30,12 @@ def add_trainer_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDic
         c.model.source = "smollm2-135m-instruct"  # GGUF / HF dir / preset name (random init)
         c.model.param_dtype = "float32"
         c.model.compute_dtype = "float32"        # bfloat16 on accelerators
-        c.model.remat = "none"                   # none | full | dots_saveable
+        # auto: full remat for a forward over >= 4096 tokens (B*T), else none
+        c.model.remat = "auto"                   # auto | none | full | dots_saveable
+        # auto: splash on TPU, cuDNN on NVIDIA GPUs, blockwise (flash-style,
+        # linear memory) from 1k tokens elsewhere, xla einsum below.
+        c.model.attention = "auto"               # auto | xla | blockwise | cudnn | splash
+        c.model.attention_block = 512            # query/key tile of blockwise and splash
         c.model.chunk_size = 256                 # log-prob chunk over the sequence
 
         c.optim = ml_collections.ConfigDict()
@@ -206,7 +211,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         return c
     check_choice("optim.schedule", c.optim.schedule, ("constant", "cosine"))
     check_choice("sampler.kind", c.sampler.kind, ("inprocess", "remote"))
-    check_choice("model.remat", c.model.remat, ("none", "full", "dots_saveable"))
+    from rljax.models import config as model_config
+    check_choice("model.remat", c.model.remat, model_config.REMAT_POLICIES)
+    check_choice("model.attention", c.model.attention, model_config.ATTENTION_IMPLEMENTATIONS)
+    if not isinstance(c.model.attention_block, int) or c.model.attention_block <= 0:
+        raise ValueError(f"model.attention_block={c.model.attention_block!r} must be a positive integer")
     if c.sampler.kind == "remote" and not c.sampler.url:
         raise ValueError("sampler.kind='remote' needs sampler.url")
     if c.steps < 1:

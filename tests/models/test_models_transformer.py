@@ -239,3 +239,20 @@ def test_moe_routing_replay():
 
     with pytest.raises(ValueError, match="no experts"):
         Decoder(get_preset("tiny"), rngs=nnx.Rngs(0))(tokens, routing_BxTxLxK=out.routing)
+
+
+def test_auto_remat_rematerialises_only_long_forwards():
+    # auto = "full" from AUTO_REMAT_MIN_TOKENS tokens (B * T) of one forward, else "none".
+    from rljax.models.config import AUTO_REMAT_MIN_TOKENS
+    config = get_preset("tiny", remat="auto", n_layers=1)
+    assert config.remat == "auto"
+
+    def jaxpr(shape):
+        graphdef, state = nnx.split(Decoder(config, rngs=nnx.Rngs(4)))
+        loss = lambda s, t: jnp.sum(nnx.merge(graphdef, s)(t).logits)  # noqa: E731
+        return str(jax.make_jaxpr(jax.grad(loss))(state, jnp.zeros(shape, jnp.int32)))
+
+    short = jaxpr((1, AUTO_REMAT_MIN_TOKENS // 2))
+    long = jaxpr((2, AUTO_REMAT_MIN_TOKENS // 2))  # exactly the threshold
+    assert "checkpoint" not in short and "remat" not in short
+    assert "checkpoint" in long or "remat" in long
