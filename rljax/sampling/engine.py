@@ -154,6 +154,11 @@ class Engine:
         return sum(j is not None for j in self._jobs)
 
     @property
+    def state(self) -> slots_lib.SlotState | None:
+        """The device state (for inspection: shardings, shapes)."""
+        return self._state
+
+    @property
     def waiting(self) -> int:
         return len(self._waiting)
 
@@ -204,8 +209,13 @@ class Engine:
         """A state of `want` slots (a slot bucket), keeping the rows in the current one."""
         cfg = self.cfg
         if self._state is None:
-            self._state = slots_lib.empty_state_jit(self.model_config, want, cfg.capacity, cfg.n_stop,
-                                                    mesh=self.mesh, rules=self.rules)
+            state = slots_lib.empty_state_jit(self.model_config, want, cfg.capacity, cfg.n_stop, mesh=self.mesh,
+                                              rules=self.rules)
+            if self.mesh is None:
+                # Committed like every later state (program outputs are), so the first insert's
+                # signature is the same as the others' and compiles once.
+                state = jax.device_put(state, next(iter(jax.tree.leaves(self.params)[0].devices())))
+            self._state = state
             self._jobs = [None] * want
             return
         have = len(self._jobs)

@@ -198,12 +198,15 @@ class InProcessSampler:
         """An Engine on the current weights: for a server, `engine.start()`, then `submit(rows)`
         from any thread. capacity default: the model's context (any valid row fits)."""
         cap = capacity or self.capacity_for([Row((0,) * 1, self.config.max_seq_len - 1)])
+        slots = slots or self.max_batch
+        if slot_buckets is None:
+            slot_buckets = tuple(b for b in self.batch_buckets if b < slots) + (slots,)
         cfg = engine_lib.EngineConfig(
-                slots=slots or self.max_batch, capacity=cap,
+                slots=slots, capacity=cap,
                 prompt_buckets=tuple(b for b in self.prompt_buckets if b <= cap) or (cap,),
                 n_top=self.top_logprobs, n_stop=self.max_stop_ids, chunk=self.decode_chunk,
                 block=self.attention_block, refill_min=self.refill_min, continuous=self.continuous,
-                slot_buckets=None if slot_buckets is None else tuple(slot_buckets))
+                slot_buckets=tuple(slot_buckets))
         return engine_lib.Engine(self.config, self.graphdef, self._params, self.version, cfg, mesh=self.mesh,
                                  rules=self.rules, check=self.check_row)
 
@@ -219,8 +222,7 @@ class InProcessSampler:
         if not rows:
             return []
         slots = _bucket(min(len(rows), self.max_batch), self.batch_buckets, "batch of")
-        eng = self.engine(capacity=self.capacity_for(rows), slots=slots,
-                          slot_buckets=[b for b in self.batch_buckets if b <= slots])
+        eng = self.engine(capacity=self.capacity_for(rows), slots=slots)
         futures = eng.submit(rows)
         eng.run()
         self.last_timing = dict(eng.timing)

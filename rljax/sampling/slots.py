@@ -321,7 +321,7 @@ def release(state: SlotState, mask_B) -> SlotState:
 _STATIC = ("graphdef", "n_top", "mesh", "rules")
 insert_jit = jax.jit(insert, static_argnames=_STATIC, donate_argnames=("state",))
 decode_chunk_jit = jax.jit(decode_chunk, static_argnames=_STATIC + ("chunk", "block"), donate_argnames=("state",))
-take_jit = jax.jit(take, static_argnames=("mesh", "rules"), donate_argnames=("state",))
+take_jit = jax.jit(take, static_argnames=("mesh", "rules"))  # new shapes: nothing to donate into
 release_jit = jax.jit(release, donate_argnames=("state",))
 empty_state_jit = jax.jit(empty_state, static_argnames=("config", "slots", "capacity", "n_stop", "mesh", "rules"))
 
