@@ -42,6 +42,7 @@ from rljax import parallel
 from rljax.models import transformer as tfm
 from rljax.sampling.decode import prefill, sample_step
 
+DECODE_UNROLL = 4  # layers per decode-scan iteration: fewer loop trips, cross-layer fusion (measured faster on CPU)
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked score: exp() underflows to exactly 0
 
 
@@ -196,7 +197,7 @@ def decode_forward(model: tfm.Decoder, tokens_B, k_cache, v_cache, length_B, n_b
         return x + h, (k_BxKVxDh, v_BxKVxDh, experts)
 
     x_BxD, (k_LxBxKVxDh, v_LxBxKVxDh, experts_LxBxK) = jax.lax.scan(
-            body, x_BxD, (jnp.arange(c.n_layers, dtype=jnp.int32), stacked))
+            body, x_BxD, (jnp.arange(c.n_layers, dtype=jnp.int32), stacked), unroll=DECODE_UNROLL)
     hidden_BxD = model.final_norm(x_BxD)[:, 0]
     logits_BxV = jnp.einsum("bd,vd->bv", hidden_BxD, model.unembed_weight().astype(cdt),
                             preferred_element_type=jnp.float32)
