@@ -193,7 +193,8 @@ class Engine:
     def step(self) -> bool:
         """One scheduling round (see the module docstring); False when there is nothing to do."""
         try:
-            return self._step()
+            with slots_lib.counting():
+                return self._step()
         except Exception as e:  # noqa: BLE001 - a failed device program fails the rows in it
             log.exception("sampling failed")
             for i, job in enumerate(self._jobs):
