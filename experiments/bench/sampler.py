@@ -4,9 +4,11 @@ Both run in this process on the same random-weight model, batch, prompts and
 sampling (temperature 1, no truncation, no stop tokens, so every row
 generates exactly N tokens):
 
-- KV cache: `InProcessSampler.generate`: one jitted prefill, then one jitted
-  `lax.while_loop` of single-token decode steps (`rljax.sampling.decode`).
-  Prefill and decode times are the sampler's own (`last_timing`).
+- KV cache: `InProcessSampler.generate`: the continuous-batching engine
+  (`rljax.sampling.engine`): one jitted insert (prefill + first token), then
+  jitted chunks of single-token decode steps over the slots, attending only
+  over the written cache blocks (`rljax.sampling.slots`). Prefill and decode
+  times are the sampler's own (`last_timing`).
 - No cache: every step runs the full forward over the whole prefix again
   (unembedding only the last position) and samples the next token with the
   same `sample_step`. The prefix lives in a
@@ -18,9 +20,17 @@ generates exactly N tokens):
 Tokens/s = B * N / (prefill + decode); each figure is the median of
 `--repeats` runs after a warm-up run that compiles everything.
 
+With `--tunix`, a second table: the same sampler against Tunix's
+`tunix.generate.sampler.Sampler` (a Llama3 of the same shapes, random init,
+its KV cache sized prompt + new tokens), temperature 1, top_p 1, eos never
+sampled, log-probs returned by both (rljax always records them), both timed as whole calls, interleaved, median of `--repeats`.
+Tunix is not a dependency: run this script with a Python that has
+google-tunix installed (e.g. a throwaway venv made with
+--system-site-packages).
+
 Run: python experiments/bench/sampler.py [--new-tokens 32 128] [--batch 8] [--prompt 64]
-     [--preset small | tiny | smollm2-135m]
-Prints a markdown table.
+     [--preset small | small4k | tiny | smollm2-135m] [--tunix]
+Prints markdown tables.
 """
 
 from __future__ import annotations
@@ -47,7 +57,69 @@ PAD_TO = 32
 
 
 def make_config(name: str) -> ModelConfig:
+    if name == "small4k":  # the long-tail issue's shapes: vocab 4,096
+        return SMALL.replace(vocab_size=4096)
     return SMALL if name == "small" else get_preset(name)
+
+
+class _IdTokenizer:
+    """Space-separated token ids <-> text, for Tunix's string interface (no BOS, pad 0)."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+    def encode(self, text, **kwargs):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **kwargs):
+        return " ".join(str(int(i)) for i in ids)
+
+    def bos_id(self):
+        return 0  # falsy: Tunix adds no BOS
+
+    def eos_id(self):
+        return self.vocab_size  # never sampled: every row generates exactly N tokens
+
+    def pad_id(self):
+        return 0
+
+
+def tunix_table(config: ModelConfig, sampler: InProcessSampler, prompt: np.ndarray, new_tokens, repeats: int):
+    """rljax vs Tunix tokens/s at equal shapes; needs google-tunix importable."""
+    from tunix.generate import sampler as tunix_sampler
+    from tunix.models.llama3 import model as tunix_llama
+
+    tcfg = tunix_llama.ModelConfig(num_layers=config.n_layers, vocab_size=config.vocab_size,
+                                   embed_dim=config.d_model, hidden_dim=config.mlp_dim, num_heads=config.n_heads,
+                                   head_dim=config.head_dim, num_kv_heads=config.n_kv_heads,
+                                   rope_theta=int(config.rope_theta), norm_eps=config.rms_eps,
+                                   weight_tying=config.tie_embeddings)
+    tmodel = nnx.jit(lambda: tunix_llama.Llama3(tcfg, rngs=nnx.Rngs(0)))()
+    B, P = prompt.shape
+    texts = [" ".join(map(str, row)) for row in prompt.tolist()]
+    print(f"\nrljax vs Tunix ({tunix_sampler.__name__}), batch {B}, prompt {P}, same shapes, float32\n")
+    print("| new tokens | rljax tokens/s | Tunix tokens/s | rljax / Tunix |")
+    print("|---|---|---|---|")
+    for n in new_tokens:
+        cache = tunix_sampler.CacheConfig(cache_size=P + n, num_layers=config.n_layers,
+                                          num_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+        tsampler = tunix_sampler.Sampler(tmodel, _IdTokenizer(config.vocab_size), cache)
+        params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=0)
+        times = {"rljax": [], "tunix": []}
+        for rep in range(repeats + 1):  # the first round compiles
+            t0 = time.perf_counter()
+            out = sampler.generate(prompt.tolist(), params)
+            t1 = time.perf_counter()
+            tout = tsampler(texts, max_generation_steps=n, max_prompt_length=P, temperature=1.0, top_p=1.0,
+                            seed=rep, eos_tokens=[config.vocab_size], return_logprobs=True)
+            t2 = time.perf_counter()
+            assert all(len(c.completion_ids) == n for c in out)
+            assert all(len(t) == n for t in tout.tokens), [len(t) for t in tout.tokens]
+            if rep:
+                times["rljax"].append(t1 - t0)
+                times["tunix"].append(t2 - t1)
+        r, t = (B * n / float(np.median(times[k])) for k in ("rljax", "tunix"))
+        print(f"| {n} | {r:,.0f} | {t:,.0f} | {r / t:.2f}x |", flush=True)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -93,6 +165,8 @@ def main(argv=None):
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--preset", default="small", help='"small" (default), or a model preset name')
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tunix", action="store_true", help="also compare against Tunix (must be importable)")
+    parser.add_argument("--skip-baseline", action="store_true", help="only the Tunix table")
     args = parser.parse_args(argv)
 
     config = make_config(args.preset)
@@ -104,6 +178,9 @@ def main(argv=None):
     sampler = InProcessSampler(model, prompt_buckets=(args.prompt,), completion_buckets=tuple(args.new_tokens),
                                max_batch=args.batch, batch_buckets=(args.batch,))
 
+    if args.skip_baseline:
+        tunix_table(config, sampler, prompt, args.new_tokens, args.repeats)
+        return
     backend = jax.devices()[0].platform
     print(f"sampler throughput: {args.preset} model ({n_params / 1e6:.1f}M params, {config.n_layers} layers, "
           f"d={config.d_model}, V={config.vocab_size}), batch {args.batch}, prompt {args.prompt} tokens, "
@@ -128,6 +205,8 @@ def main(argv=None):
         kv_tps, b_tps = tokens / (kv_pre + kv_dec), tokens / (b_pre + b_dec)
         print(f"| {n} | {kv_pre * 1e3:,.1f} ms | {kv_dec * 1e3:,.1f} ms | {kv_tps:,.0f} | {b_pre * 1e3:,.1f} ms | "
               f"{b_dec * 1e3:,.1f} ms | {b_tps:,.0f} | {kv_tps / b_tps:.1f}x |", flush=True)
+    if args.tunix:
+        tunix_table(config, sampler, prompt, args.new_tokens, args.repeats)
 
 
 if __name__ == "__main__":

@@ -210,11 +210,13 @@ def sampler() -> dict:
     out["recompiled"] = sharded.compiled_programs() - programs
     out["synced_specs"] = {jax.tree_util.keystr(p): str(x.sharding.spec)
                            for p, x in jax.tree_util.tree_leaves_with_path(sharded.params)}
-    prompt = jnp.zeros((8, 16), jnp.int32)
-    res = sampler_lib._prefill_sharded_jit(sharded.graphdef, sharded.params, sharded._rows(prompt),
-                                           sharded._rows(jnp.full((8,), 4, jnp.int32)), cache_len=32,
-                                           mesh=mesh, rules=sharded.rules)
-    out["cache_spec"] = str(res[1].k.sharding.spec)
+    # The slot state (KV cache and per-slot arrays) of a sharded engine after it ran rows.
+    eng = sharded.engine(capacity=64, slots=8)
+    eng.submit([sampler_lib.Row((1, 2, 3), 4, row_id=i) for i in range(8)])
+    eng.step()
+    out["cache_spec"] = str(eng.state.k.sharding.spec)
+    out["cache_lengths_spec"] = str(eng.state.length_B.sharding.spec)
+    eng.run()
     # eval_shape -> shardings -> jit(init): the same values as an eager init, born sharded.
     make = lambda: transformer.Decoder(cfg, rngs=nnx.Rngs(3))  # noqa: E731
     _, born = parallel.init_sharded(make, trainer_mesh)
@@ -222,7 +224,6 @@ def sampler() -> dict:
                           for a, b in zip(jax.tree.leaves(born), jax.tree.leaves(params)))
     out["init_unsharded"] = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(born)
                              if x.ndim >= 2 and x.sharding.is_fully_replicated]
-    out["cache_lengths_spec"] = str(res[1].lengths_B.sharding.spec)
     return out
 
 

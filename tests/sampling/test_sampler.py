@@ -1,5 +1,6 @@
 """InProcessSampler: behavior log-probs vs. the trainer's, greedy vs. cache-free argmax, filtering,
-stops, seeds, MoE routing, length buckets without recompilation, weight swaps."""
+stops, seeds, MoE routing, length buckets without recompilation, weight swaps (continuous batching
+against static: tests/sampling/test_continuous.py)."""
 
 import functools
 
@@ -126,7 +127,8 @@ def test_stop_token_is_last_and_included(sampler):
     out = sampler.generate([PROMPTS[1]], SamplingParams(max_new_tokens=10, temperature=0.0,
                                                         stop_token_ids=(255, stop)))[0]
     assert out.finish_reason == "stop"
-    assert sampler.last_timing["decode_steps"] == first + 1 < 16  # the loop exited early
+    # Token 0 comes from the prefill, tokens 1..first from one decode step each: the loop exited early.
+    assert sampler.last_timing["decode_steps"] == first < 16
     assert out.completion_ids == greedy.completion_ids[:first + 1]
     np.testing.assert_allclose(out.logprobs, greedy.logprobs[:first + 1], atol=1e-6)
 
@@ -219,17 +221,18 @@ def test_moe_routing_matches_full_forward():
 def test_lengths_inside_buckets_do_not_recompile(model):
     # Bucket sizes no other test uses, so the first call must compile (the counter works).
     sampler = InProcessSampler(model, prompt_buckets=(12, 24), completion_buckets=(10, 20), max_batch=8,
-                               batch_buckets=(8,))
+                               batch_buckets=(8,), attention_block=32)
     before = sampler.compiled_programs()
     sampler.generate([[1, 2, 3], [4] * 9], SamplingParams(max_new_tokens=7, n=2, seed=0))
     after_first = sampler.compiled_programs()
-    assert after_first == before + 2  # one prefill, one decode program
-    # Other prompt lengths, max_new_tokens, row counts, settings and seeds inside the same buckets.
-    sampler.generate([[5] * 12, [6], [7, 8]], SamplingParams(max_new_tokens=10, temperature=0.5, top_k=3, seed=9))
+    # An empty slot state, one insert (prefill + first token), one decode chunk; capacity 32 (one attention block) throughout.
+    assert after_first == before + 3
+    # Other prompt lengths, max_new_tokens, row counts, settings and seeds inside the same shapes.
+    sampler.generate([[5] * 12, [6], [7, 8]], SamplingParams(max_new_tokens=4, temperature=0.5, top_k=3, seed=9))
     sampler.generate([[5] * 11], SamplingParams(max_new_tokens=3, n=4, top_p=0.5, stop_token_ids=(1, 2, 3)))
     assert sampler.compiled_programs() == after_first
-    sampler.generate([[5] * 13], SamplingParams(max_new_tokens=3))  # next prompt bucket
-    assert sampler.compiled_programs() == after_first + 2
+    sampler.generate([[5] * 13], SamplingParams(max_new_tokens=3))  # next prompt bucket: one more insert
+    assert sampler.compiled_programs() == after_first + 1
 
 
 def test_update_weights_swaps_in_place_without_recompiling(model, sampler):
